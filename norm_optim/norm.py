@@ -1,0 +1,120 @@
+"""From the registry to a number: prebuilt sums of squares, one all-reduce, a square root.
+
+Every element is counted on exactly one rank, so any breakdown (dense / expert / per param) is
+just more slots in the same all-reduced vector: the breakdowns cost no extra collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Mapping, Optional
+
+import torch
+
+from .comm import Communicator, ProcessGroup, Work
+from .kernels import SumOfSquaresPlan
+from .naming import global_param_names
+from .registry import DENSE, EXPERT, ParamRegistry
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamNorms:
+    """Global L2 norms of the model's weights (0-dim float64 tensors on the reduction device).
+
+    ``dense**2 + expert**2 == total**2``. Reading a value (``float(norms.total)``) is the only
+    host sync.
+    """
+
+    total: torch.Tensor
+    dense: torch.Tensor
+    expert: torch.Tensor
+    per_param: Optional[Mapping[str, torch.Tensor]] = None
+
+
+class PendingNorms:
+    """Norms whose all-reduce may still be in flight; :meth:`wait` returns them.
+
+    On CUDA, ``wait`` only orders the current stream after the collective: the host never
+    blocks until a value is read.
+    """
+
+    def __init__(self, squares: torch.Tensor, work: Work, names: Optional[list[str]]) -> None:
+        self._squares, self._work, self._names = squares, work, names
+        self._result: Optional[ParamNorms] = None
+
+    def wait(self) -> ParamNorms:
+        if self._result is None:
+            self._work.wait()
+            norms = self._squares.sqrt()
+            total = self._squares[: EXPERT + 1].sum().sqrt()
+            per_param = None
+            if self._names is not None:
+                per_param = dict(zip(self._names, norms[EXPERT + 1 :].unbind()))
+            self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], per_param)
+        return self._result
+
+
+class NormReducer:
+    """Sums of squares over a registry's counted tensors, reduced once over ``group``.
+
+    Args:
+        registry: what this rank counts.
+        comm: the communication seam.
+        group: a process group that contains every rank that counts anything (default: all).
+    """
+
+    def __init__(self, registry: ParamRegistry, comm: Communicator, group: ProcessGroup) -> None:
+        self.registry, self.comm, self.group = registry, comm, group
+        self.device = comm.device(group)
+        counted = registry.counted
+        if not registry.records:
+            warnings.warn("norm_optim: the model has no params; its norm is 0", stacklevel=3)
+        self._split_plan = SumOfSquaresPlan(
+            [r.tensor for r in counted],  # type: ignore[misc]
+            [EXPERT if r.expert else DENSE for r in counted],
+            num_slots=2,
+            out_device=self.device,
+        )
+        self._per_param_plan: Optional[SumOfSquaresPlan] = None
+        self._names: Optional[list[str]] = None
+        self._kinds = torch.empty(0, dtype=torch.long)
+
+    def launch(self, per_param: bool = False, async_op: bool = False) -> PendingNorms:
+        """Start the sums and the single all-reduce; return a handle to the result."""
+        if per_param:
+            plan, kinds = self._per_param()
+            squares = plan()
+            # Dense and expert totals from the per-name slots, before the reduce (no second pass).
+            squares[: EXPERT + 1].index_add_(0, kinds, squares[EXPERT + 1 :].clone())
+        else:
+            squares = self._split_plan()
+        work = self.comm.all_reduce_sum(squares, self.group, async_op)
+        return PendingNorms(squares, work, self._names if per_param else None)
+
+    def _per_param(self) -> tuple[SumOfSquaresPlan, torch.Tensor]:
+        """Build (once) the plan with one slot per layout-independent param name.
+
+        The names of all ranks are gathered once (one ``all_gather_object``, made by every rank
+        on its first per-param call) so that slot ``i`` means the same param everywhere.
+        """
+        if self._per_param_plan is None:
+            records = self.registry.records
+            chunks = self.registry.chunks
+            ids = global_param_names(chunks) if chunks is not None else {}
+            local = [ids.get(id(r.param), r.name) for r in records]
+            mine = sorted({(name, r.expert) for name, r in zip(local, records)})
+            every = sorted(set().union(*map(set, self.comm.all_gather_object(mine, self.group))))
+            self._names = [name for name, _ in every]
+            slot = {name: EXPERT + 1 + i for i, name in enumerate(self._names)}
+            counted = [(r, n) for r, n in zip(records, local) if r.counted]
+            self._per_param_plan = SumOfSquaresPlan(
+                [r.tensor for r, _ in counted],  # type: ignore[misc]
+                [slot[n] for _, n in counted],
+                num_slots=EXPERT + 1 + len(self._names),
+                out_device=self.device,
+            )
+            self._kinds = torch.tensor(
+                [EXPERT if expert else DENSE for _, expert in every], device=self.device
+            )
+        return self._per_param_plan, self._kinds

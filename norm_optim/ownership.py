@@ -1,0 +1,130 @@
+"""Who counts which element: the one rule that makes every layout exact.
+
+The global norm is a sum of squares over every element of the model, each counted exactly once
+across all ranks. A rank counts a tensor it holds when it is the *canonical holder*:
+
+=========================  ==========================================  =======================
+replicated over            canonical holder                            decided by
+=========================  ==========================================  =======================
+tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    params without
+                           for params that TP does not split            ``tensor_model_parallel``
+tied weights               the copy without ``shared=True``             ``shared`` attribute
+data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holding.replicated``
+                           for whole (non-sharded) main params
+distributed optimizer      the rank whose shard it is (shards            ``Holding.replicated``
+                           partition the param within one instance)      is False
+several dist-opt instances instance 0                                    ``Holding.instance``
+layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
+                                                                          is False
+pipeline / expert parallel nothing to do: each stage / expert rank
+                           holds different params
+=========================  ==========================================  =======================
+
+A new layout is a new row here, not a new code path elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .comm import Communicator
+from .errors import ParallelStateError
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCoords:
+    """This rank's position in the groups that replicate params.
+
+    Attributes:
+        tp: rank in the tensor-parallel group.
+        expert_tp: rank in the expert-tensor-parallel group.
+        dp_cp: rank in the full data×context-parallel group (all optimizer instances).
+        expert_dp: rank in the full expert-data-parallel group (all optimizer instances).
+    """
+
+    tp: int = 0
+    expert_tp: int = 0
+    dp_cp: int = 0
+    expert_dp: int = 0
+
+    @classmethod
+    def from_parallel_state(cls, comm: Communicator) -> "RankCoords":
+        """Read the coordinates from megatron's global parallel state.
+
+        In a plain single process (no ``torch.distributed``) every coordinate is 0. With several
+        processes and no parallel state, counting would be a guess, so it is an error.
+        """
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            if comm.is_distributed() and comm.size(None) > 1:
+                raise ParallelStateError(
+                    "megatron's parallel state is not initialized but torch.distributed runs "
+                    f"{comm.size(None)} ranks: call parallel_state.initialize_model_parallel(...) "
+                    "before wrapping the optimizer, or pass pg_collection=..."
+                )
+            return cls()
+        return cls(
+            tp=ps.get_tensor_model_parallel_rank(),
+            expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
+            dp_cp=ps.get_data_parallel_rank(with_context_parallel=True),
+            expert_dp=ps.get_expert_data_parallel_rank(),
+        )
+
+    @classmethod
+    def from_pg_collection(cls, pg_collection: object, comm: Communicator) -> "RankCoords":
+        """Read the coordinates from an explicit megatron ``ProcessGroupCollection``."""
+        missing = [name for name in ("tp", "dp_cp") if not hasattr(pg_collection, name)]
+        if missing:
+            raise ParallelStateError(
+                f"pg_collection lacks the process groups {missing}; it needs at least tp and "
+                "dp_cp (and expt_tp, expt_dp for MoE models)"
+            )
+        tp = comm.rank(pg_collection.tp)  # type: ignore[attr-defined]
+        expert_tp_group = getattr(pg_collection, "expt_tp", None)
+        expert_dp_group = getattr(pg_collection, "expt_dp", None)
+        return cls(
+            tp=tp,
+            expert_tp=comm.rank(expert_tp_group) if expert_tp_group is not None else tp,
+            dp_cp=comm.rank(pg_collection.dp_cp),  # type: ignore[attr-defined]
+            expert_dp=comm.rank(expert_dp_group) if expert_dp_group is not None else 0,
+        )
+
+
+def _or_zero(rank: Optional[int]) -> int:
+    # megatron returns None for the expert-TP rank when no expert-TP group was built.
+    return 0 if rank is None else int(rank)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Expert params are the ones megatron keeps out of the dense all-reduce."""
+    return not getattr(param, "allreduce", True)
+
+
+def why_not_counted(
+    param: torch.Tensor, *, replicated: bool, instance: int, coords: RankCoords
+) -> Optional[str]:
+    """The reason this rank must not count ``param``'s tensor, or None if it counts it.
+
+    Args:
+        param: the model param (its TP and ``shared`` attributes decide duplicates).
+        replicated: whether the tensor this rank holds is a whole copy that every rank of the
+            (expert) data-parallel group holds too, rather than a part only this rank holds.
+        instance: the distributed-optimizer instance the tensor belongs to.
+        coords: this rank's coordinates.
+    """
+    expert = is_expert(param)
+    if getattr(param, "shared", False):
+        return "shared"
+    tp_rank = coords.expert_tp if expert else coords.tp
+    if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+        return "tp-duplicate"
+    dp_rank = coords.expert_dp if expert else coords.dp_cp
+    if replicated and dp_rank != 0:
+        return "dp-replica"
+    if instance != 0:
+        return "other-instance"
+    return None

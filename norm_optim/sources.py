@@ -1,0 +1,236 @@
+"""Where each optimizer kind keeps the fp32 tensors of the model's params.
+
+One small reader per kind. Each yields a :class:`Holding` for every model param the optimizer is
+responsible for: the fp32 tensor this rank holds for it (a full main param, this rank's shard of
+it, the fp32 param itself) or ``None`` when another rank holds it. Readers only say *what* is
+held; whether this rank counts it is decided in :mod:`norm_optim.ownership`.
+
+Kinds are recognised by the attributes megatron-core gives them (duck typing), so subclasses and
+newer megatron-core releases keep working; an optimizer we cannot read is an error naming its
+class, never a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .errors import UnsupportedOptimizerError
+
+Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """What one optimizer leaf holds on this rank for one model param.
+
+    Attributes:
+        param: the model param.
+        tensor: the tensor whose squares this rank would sum: fp32 main param, fp32 main shard,
+            the param itself when it is fp32, or None when this rank holds nothing of it.
+        source: how ``tensor`` relates to the param (for inspection and error messages).
+        replicated: True if every rank of the (expert) data-parallel group holds the same whole
+            tensor; False if the tensor is a part (or an assignment) that only this rank holds.
+        instance: the distributed-optimizer instance the tensor belongs to.
+        optimizer: class name of the leaf optimizer that holds it.
+    """
+
+    param: torch.nn.Parameter
+    tensor: Optional[torch.Tensor]
+    source: str
+    replicated: bool
+    instance: int = 0
+    optimizer: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What a reader inherits from the optimizers that contain it."""
+
+    # Layer-wise distributed optimizer: params are assigned whole to one DP rank each.
+    assigned_dense: bool = False
+    assigned_expert: bool = False
+
+
+def read_holdings(optimizer: Any) -> list[Holding]:
+    """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
+    return list(_read(optimizer, _Context()))
+
+
+def leaves(optimizer: Any) -> Iterator[Any]:
+    """The optimizers that own tensors (a chained optimizer's members, recursively)."""
+    inner = getattr(optimizer, "chained_optimizers", None)
+    if inner is None:
+        yield optimizer
+        return
+    for member in inner:
+        yield from leaves(member)
+
+
+def fingerprint(optimizer: Any) -> tuple:
+    """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors.
+
+    Used to notice, at call time and without walking params, that the registry must be rebuilt:
+    a rebuilt optimizer, new param-group lists, or optimizer state created by the first step (the
+    precision-aware optimizer keeps its master weights there).
+    """
+    parts: list[Any] = []
+    for leaf in leaves(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        groups = getattr(inner, "param_groups", None) or []
+        state = getattr(inner, "state", None)
+        parts.append(
+            (
+                id(leaf),
+                id(inner),
+                tuple((id(g["params"]), len(g["params"])) for g in groups),
+                len(state) if _is_precision_aware(leaf) and state is not None else -1,
+            )
+        )
+    return tuple(parts)
+
+
+def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    for matches, reader in _READERS:
+        if matches(optimizer):
+            yield from reader(optimizer, ctx)
+            return
+    raise UnsupportedOptimizerError(
+        f"norm_optim cannot read the fp32 tensors of a {type(optimizer).__module__}."
+        f"{type(optimizer).__qualname__}: supported are megatron-core's ChainedOptimizer, "
+        "DistributedOptimizer (incl. precision-aware and CPU-offload), "
+        "Float16OptimizerWithFloat16Params, FP32Optimizer, LayerWiseDistributedOptimizer, and "
+        "plain torch.optim.Optimizer instances"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Readers, one per kind.
+# --------------------------------------------------------------------------------------------
+
+
+def _is_stub(optimizer: Any) -> bool:
+    # A rank with no trainable params gets a stub optimizer that holds nothing.
+    return bool(getattr(optimizer, "is_stub_optimizer", False)) or (
+        getattr(optimizer, "optimizer", "missing") is None
+    )
+
+
+def _is_precision_aware(optimizer: Any) -> bool:
+    config = getattr(optimizer, "config", None)
+    return bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+
+
+def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    # LayerWiseDistributedOptimizer is a ChainedOptimizer that assigns each param to one DP rank;
+    # it keeps the per-rank assignment lists (None when it does not shard).
+    layer_wise = hasattr(optimizer, "dp_cp_params_list")
+    if layer_wise:
+        ctx = _Context(
+            assigned_dense=optimizer.dp_cp_params_list is not None,
+            assigned_expert=getattr(optimizer, "expt_dp_params_list", None) is not None,
+        )
+    seen: set[int] = set()
+    for member in optimizer.chained_optimizers:
+        for holding in _read(member, ctx):
+            seen.add(id(holding.param))
+            yield holding
+    if layer_wise:
+        # Params assigned to other DP ranks: known to this optimizer, held elsewhere.
+        for params in (optimizer.dp_cp_params_list or []) + (optimizer.expt_dp_params_list or []):
+            for param in params:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield Holding(param, None, "assigned-elsewhere", False, 0, type(optimizer).__name__)
+
+
+def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    name = type(optimizer).__name__
+    instance = int(getattr(optimizer, "distributed_optimizer_instance_id", 0) or 0)
+    held: set[int] = set()
+    pairs = [
+        (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, "main-shard"),
+        (optimizer.model_fp32_groups, optimizer.shard_fp32_groups, "fp32-param-shard"),
+    ]
+    for model_groups, shard_groups, source in pairs:
+        for model_group, shard_group in zip(model_groups, shard_groups):
+            for param, shard in zip(model_group, shard_group):
+                how = source
+                if shard is None and _is_precision_aware(optimizer):
+                    shard, how = _precision_aware_master(optimizer, param), "master-param-shard"
+                held.add(id(param))
+                yield Holding(param, shard, how, False, instance, name)
+    # Params of this optimizer's buffers with no shard on this rank.
+    for buffer in getattr(optimizer, "buffers", []):
+        for param in buffer.params:
+            if id(param) not in held:
+                held.add(id(param))
+                yield Holding(param, None, "no-local-shard", False, instance, name)
+
+
+def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 master shard that a precision-aware inner optimizer keeps in its state.
+
+    Transformer Engine's FusedAdam keeps it as ``state[shard]["master_param"]``; before the first
+    step (no state yet) the master weights still equal the bf16 shard, which is then the exact
+    tensor to sum.
+    """
+    group_index, order = optimizer.model_param_group_index_map[param]
+    shard = optimizer.optimizer.param_groups[group_index]["params"][order]
+    master = optimizer.optimizer.state.get(shard, {}).get("master_param")
+    if master is None:
+        return shard
+    if master.dtype == torch.float32:
+        return master
+    raise UnsupportedOptimizerError(
+        f"the precision-aware optimizer keeps master weights as {master.dtype} "
+        "(store_param_remainders=True or a low-precision main_params_dtype); norm_optim reads "
+        "only fp32 master weights: set OptimizerConfig(store_param_remainders=False)"
+    )
+
+
+def _read_float16(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    name = type(optimizer).__name__
+    for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+        for param, main in zip(model_group, main_group):
+            yield Holding(param, main, "main", not _assigned(param, ctx), 0, name)
+    for group in optimizer.fp32_from_fp32_groups:
+        for param in group:
+            yield Holding(param, param, "fp32-param", not _assigned(param, ctx), 0, name)
+
+
+def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    """FP32Optimizer and plain torch optimizers: the params are their own main params."""
+    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    name = type(optimizer).__name__
+    for group in torch_optimizer.param_groups:
+        for param in group["params"]:
+            source = "fp32-param" if param.dtype == torch.float32 else "param"
+            yield Holding(param, param, source, not _assigned(param, ctx), 0, name)
+
+
+def _assigned(param: torch.Tensor, ctx: _Context) -> bool:
+    expert = not getattr(param, "allreduce", True)
+    return ctx.assigned_expert if expert else ctx.assigned_dense
+
+
+def _read_nothing(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    return iter(())
+
+
+def _is_fp32_optimizer(optimizer: Any) -> bool:
+    names = {cls.__name__ for cls in type(optimizer).__mro__}
+    return "FP32Optimizer" in names or isinstance(optimizer, torch.optim.Optimizer)
+
+
+# Order matters: a chained optimizer may itself look like a stub; a stub holds nothing whatever
+# its kind.
+_READERS: tuple[tuple[Callable[[Any], bool], Reader], ...] = (
+    (lambda o: hasattr(o, "chained_optimizers"), _read_chained),
+    (_is_stub, _read_nothing),
+    (lambda o: hasattr(o, "shard_fp32_from_float16_groups"), _read_distributed),
+    (lambda o: hasattr(o, "fp32_from_float16_groups"), _read_float16),
+    (_is_fp32_optimizer, _read_params_of),
+)

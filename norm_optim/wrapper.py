@@ -1,0 +1,208 @@
+"""``NormAwareOptimizer``: a Megatron-core optimizer that also knows its weights' global norm.
+
+The wrapper holds no layout logic: it delegates everything to the wrapped optimizer, keeps a
+:class:`~norm_optim.registry.ParamRegistry` up to date, and asks a
+:class:`~norm_optim.norm.NormReducer` for the norm.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, TypeVar, Union
+
+import torch
+
+from .comm import Communicator, ProcessGroup, TorchCommunicator
+from .norm import NormReducer, ParamNorms, PendingNorms
+from .ownership import RankCoords
+from .registry import ParamRegistry
+from .sources import fingerprint
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_OWN_ATTRIBUTES = frozenset(
+    {"_optimizer", "_model", "_count_frozen", "_pg_collection", "_group", "_comm", "_coords",
+     "_reducer", "_fingerprint", "_stale"}
+)
+
+
+def _replaces_tensors(method: _F) -> _F:
+    """Mark a delegated method after which the optimizer's tensors may be new objects."""
+
+    @functools.wraps(method)
+    def wrapper(self: "NormAwareOptimizer", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._stale = True
+
+    return wrapper  # type: ignore[return-value]
+
+
+class NormAwareOptimizer:
+    """Wraps a megatron-core optimizer and adds :meth:`param_l2_norm`.
+
+    It behaves as the optimizer it wraps (``step``, ``zero_grad``, state dicts, ``param_groups``,
+    ``get_grad_norm``, every attribute; ``isinstance`` checks against the wrapped class pass).
+
+    Args:
+        optimizer: the result of ``get_megatron_optimizer(...)`` (a ``ChainedOptimizer`` of
+            ``DistributedOptimizer`` / ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer``
+            leaves, a ``LayerWiseDistributedOptimizer``...), one such leaf, or a plain
+            ``torch.optim.Optimizer``.
+        model: the model (a module or the list of model chunks). Optional when the optimizer
+            knows its chunks (the distributed optimizer does); with it, frozen params (in no
+            optimizer) are counted too, as Megatron-LM counts them.
+        count_frozen: set False to leave params no optimizer holds out of the norm.
+        pg_collection: an explicit megatron ``ProcessGroupCollection`` to read this rank's TP /
+            DP coordinates from, instead of megatron's global parallel state.
+        group: the process group to reduce over; it must contain every rank (default: all).
+        comm: the communication seam (default: ``torch.distributed``); tests pass a fake.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        model: Union[torch.nn.Module, list[torch.nn.Module], None] = None,
+        *,
+        count_frozen: bool = True,
+        pg_collection: Any = None,
+        group: ProcessGroup = None,
+        comm: Optional[Communicator] = None,
+    ) -> None:
+        if isinstance(optimizer, NormAwareOptimizer):
+            raise TypeError("the optimizer is already a NormAwareOptimizer; wrap it once")
+        object.__setattr__(self, "_optimizer", optimizer)
+        self._model = model
+        self._count_frozen = count_frozen
+        self._pg_collection = pg_collection
+        self._group = group
+        self._comm = comm if comm is not None else TorchCommunicator()
+        self._coords = (
+            RankCoords.from_pg_collection(pg_collection, self._comm)
+            if pg_collection is not None
+            else RankCoords.from_parallel_state(self._comm)
+        )
+        self._reducer: Optional[NormReducer] = None
+        self._fingerprint: tuple = ()
+        self._stale = True
+        self._current_reducer()  # build now: bad input fails at wrap time, not at log time
+
+    # ---------------------------------------------------------------- the norm
+
+    @torch.no_grad()
+    def param_l2_norm(self) -> torch.Tensor:
+        """Global L2 norm of the model's weights, from the optimizer's fp32 tensors.
+
+        Every rank must call it (it makes one all-reduce). Returns a 0-dim float64 tensor on the
+        reduction device; ``float(norm)`` reads it. Equivalent to Megatron-LM's
+        ``calc_params_l2_norm(model)``, but each element is counted exactly once in every layout
+        and nothing is copied.
+        """
+        return self._current_reducer().launch().wait().total
+
+    @torch.no_grad()
+    def param_l2_norms(self, *, per_param: bool = False) -> ParamNorms:
+        """Total, dense and expert norms (and, with ``per_param``, one norm per param name).
+
+        Per-param names are layout-independent (global layer number, global expert index,
+        TP/DP shards combined). Still one all-reduce per call; the first ``per_param`` call
+        also gathers the names once.
+        """
+        return self._current_reducer().launch(per_param=per_param).wait()
+
+    @torch.no_grad()
+    def param_l2_norms_async(self, *, per_param: bool = False) -> PendingNorms:
+        """Launch the sums and the all-reduce and return at once; ``.wait()`` gives the norms."""
+        return self._current_reducer().launch(per_param=per_param, async_op=True)
+
+    @property
+    def registry(self) -> ParamRegistry:
+        """What this rank holds and counts for every model param (inspectable)."""
+        return self._current_reducer().registry
+
+    @property
+    def wrapped_optimizer(self) -> Any:
+        """The optimizer this one wraps."""
+        return self._optimizer
+
+    def refresh(self) -> None:
+        """Rebuild the registry now (after replacing optimizer tensors behind our back)."""
+        self._stale = True
+        self._current_reducer()
+
+    def _current_reducer(self) -> NormReducer:
+        # O(param groups) check: rebuild only when the optimizer replaced its tensors.
+        current = fingerprint(self._optimizer)
+        if self._stale or self._reducer is None or current != self._fingerprint:
+            registry = ParamRegistry(
+                self._optimizer, self._model, coords=self._coords, count_frozen=self._count_frozen
+            )
+            self._reducer = NormReducer(registry, self._comm, self._group)
+            self._fingerprint = current
+            self._stale = False
+        return self._reducer
+
+    # ---------------------------------------------------------------- delegation
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.zero_grad(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.state_dict(*args, **kwargs)
+
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.sharded_state_dict(*args, **kwargs)
+
+    @_replaces_tensors
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.load_state_dict(*args, **kwargs)
+
+    @_replaces_tensors
+    def reload_model_params(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.reload_model_params(*args, **kwargs)
+
+    @_replaces_tensors
+    def load_parameter_state(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.load_parameter_state(*args, **kwargs)
+
+    @_replaces_tensors
+    def offload_to_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.offload_to_cpu(*args, **kwargs)
+
+    @_replaces_tensors
+    def restore_from_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.restore_from_cpu(*args, **kwargs)
+
+    @property
+    def param_groups(self) -> Any:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        self._optimizer.param_groups = value
+        self._stale = True
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        # isinstance(wrapper, ChainedOptimizer) etc. must keep passing in training code;
+        # type(wrapper) is still NormAwareOptimizer.
+        return type(self._optimizer)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names not found on the wrapper itself.
+        if name == "_optimizer":
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN_ATTRIBUTES or name == "param_groups":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"NormAwareOptimizer({self._optimizer!r})"
