@@ -1,0 +1,298 @@
+"""Tiny Megatron GPT models, optimizers and a training step, built the way Megatron-LM builds them.
+
+Shared by the tests, the examples and the benchmark. Everything here runs inside a rank whose
+parallel state is initialized (see :func:`~norm_optim.testing.launcher.init_parallel`); the
+model layout (TP, PP, VPP, EP, ETP) is read from that state, so one :class:`TinyGPTConfig`
+builds the same logical model on every layout. On CPU, install the shim first
+(:func:`~norm_optim.testing.run_ranks` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step"]
+
+
+@dataclass(frozen=True)
+class TinyGPTConfig:
+    """The logical model; the parallel layout comes from megatron's parallel state.
+
+    ``moe_layer_freq`` is megatron's: an int ``k`` puts experts on every k-th layer (from the
+    first), a tuple of 0/1 per layer picks them, e.g. ``(0, 1)`` with PP=2 puts experts on the
+    second stage only. ``moe_ffn_hidden_size`` defaults to ``ffn_hidden_size``.
+    """
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # 4 * hidden_size
+    vocab_size: int = 128
+    seq_length: int = 16
+    num_experts: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_token_dispatcher_type: str = "allgather"
+    tie_embeddings: bool = True
+    # None: biases for a dense model, none for MoE (Megatron refuses MoE biases when ETP > 1).
+    add_bias_linear: bool | None = None
+    normalization: str = "LayerNorm"
+    bf16: bool = True
+
+
+def transformer_config(cfg: TinyGPTConfig) -> Any:
+    """A megatron ``TransformerConfig`` for ``cfg`` on the current parallel layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    moe = {}
+    if cfg.num_experts:
+        freq = cfg.moe_layer_freq
+        moe = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or ffn,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_router_dtype="fp32",  # lets the router weight be kept fp32 (``fp32_params``)
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        )
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=ffn,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        # The local (non-TE) attention refuses CP > 1; the optimizer's DP x CP sharding, which
+        # is what a norm test needs, comes from the parallel state, not from this config.
+        context_parallel_size=1,
+        # MoE with TP > 1 requires sequence parallelism (see SequenceParallelTorchNorm).
+        sequence_parallel=tp > 1 and bool(cfg.num_experts),
+        add_bias_linear=(
+            not cfg.num_experts if cfg.add_bias_linear is None else cfg.add_bias_linear
+        ),
+        normalization=cfg.normalization,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bf16=cfg.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        **moe,
+    )
+
+
+def _with_sequence_parallel_norms(spec: Any) -> Any:
+    """A copy of a layer/block spec with ``WrappedTorchNorm`` swapped for one that allows SP."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from norm_optim.testing.shim import SequenceParallelTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelTorchNorm
+    if isinstance(spec, list):
+        return [_with_sequence_parallel_norms(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _with_sequence_parallel_norms(getattr(spec, f.name))
+                   for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch.nn.Module:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_with_sequence_parallel_norms(block_spec),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        vp_stage=vp_stage,
+    )
+
+
+def _matching_params(
+    module: torch.nn.Module, patterns: Sequence[str]
+) -> Iterator[torch.nn.Parameter]:
+    for name, param in module.named_parameters():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            yield param
+
+
+def build_model(
+    cfg: TinyGPTConfig = TinyGPTConfig(),
+    *,
+    use_distributed_optimizer: bool = False,
+    freeze: Sequence[str] = (),
+    fp32_params: Sequence[str] = (),
+    seed: int = 1234,
+    **ddp_overrides: Any,
+) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage), each in megatron DDP.
+
+    As Megatron-LM does: GPT on the local spec, ``Float16Module`` (bf16), then DDP, with
+    bucketing disabled for chunks after the first.
+
+    Args:
+        cfg: the logical model.
+        use_distributed_optimizer: DDP buffer layout; must match :func:`build_optimizer`.
+        freeze: glob patterns over GPTModel param names (``decoder.layers.0.*``, local layer
+            indices); matches get ``requires_grad_(False)`` before DDP, so no optimizer sees them.
+        fp32_params: glob patterns of params kept fp32 in a bf16 model (a mixed model). The
+            forward pass supports this for norms (torch's CPU norms take bf16 inputs with fp32
+            weights) and for the MoE router (``moe_router_dtype='fp32'``).
+        seed: seeds megatron's weight init.
+        ddp_overrides: extra ``DistributedDataParallelConfig`` fields.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from norm_optim.testing.shim import init_rng
+
+    init_rng(seed)
+    config = transformer_config(cfg)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=use_distributed_optimizer,
+        grad_reduce_in_fp32=True,
+        **ddp_overrides,
+    )
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for index, vp_stage in enumerate(range(vpp) if vpp else [None]):
+        gpt = _build_chunk(cfg, config, vp_stage)
+        for param in _matching_params(gpt, freeze):
+            param.requires_grad_(False)
+        model: torch.nn.Module = Float16Module(config, gpt) if cfg.bf16 else gpt
+        for param in _matching_params(gpt, fp32_params):
+            param.data = param.data.float()
+        chunks.append(
+            DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0)
+        )
+    return chunks
+
+
+def build_optimizer(
+    model_chunks: list[torch.nn.Module],
+    *,
+    use_distributed_optimizer: bool | None = None,
+    bf16: bool = True,
+    lr: float = 1e-3,
+    **extra: Any,
+) -> Any:
+    """The real ``get_megatron_optimizer`` (Adam) over ``model_chunks``.
+
+    ``use_distributed_optimizer`` defaults to what the chunks' DDP was built for; any other
+    ``OptimizerConfig`` field can be passed in ``extra`` (``clip_grad`` defaults to 1.0).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    built_for = model_chunks[0].ddp_config.use_distributed_optimizer
+    if use_distributed_optimizer is None:
+        use_distributed_optimizer = built_for
+    if use_distributed_optimizer != built_for:
+        raise ValueError(
+            f"use_distributed_optimizer={use_distributed_optimizer} but the model's DDP was built "
+            f"with use_distributed_optimizer={built_for}; pass the same value to build_model"
+        )
+    extra.setdefault("clip_grad", 1.0)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+        **extra,
+    )
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def _loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(
+    data_iterator: Iterator[torch.Tensor], model: torch.nn.Module
+) -> tuple[torch.Tensor, Any]:
+    tokens = next(data_iterator)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    output = model(tokens, positions, None, labels=torch.roll(tokens, -1, dims=1))
+    return output, _loss
+
+
+def train_step(
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any,
+    *,
+    seed: int = 0,
+    micro_batch_size: int = 2,
+    num_microbatches: int | None = None,
+) -> tuple[bool, float | None, int | None]:
+    """One real training iteration on random tokens: megatron's pipeline schedule (forward and
+    backward, ``finalize_model_grads``), then ``optimizer.step()``.
+
+    Every rank draws the same tokens from ``seed``. ``num_microbatches`` defaults to the
+    pipeline size (the interleaved schedule needs a multiple of it).
+
+    Returns:
+        ``optimizer.step()``'s ``(update_successful, grad_norm, num_zeros_in_grad)``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model_chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    num_microbatches = num_microbatches or ps.get_pipeline_model_parallel_world_size()
+    gpt = _unwrap(model_chunks[0])
+    seq_length, vocab_size = gpt.max_sequence_length, gpt.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(vocab_size, (micro_batch_size, seq_length), generator=generator)
+               for _ in range(num_microbatches)]
+    iterators = [iter(batches) for _ in model_chunks]
+
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    return optimizer.step()
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP and Float16Module."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
