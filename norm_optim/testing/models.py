@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step"]
+__all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step", "transformer_config"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,209 @@
+"""A layout-independent oracle for global weight norms.
+
+The idea: make every weight a known function of its *logical* identity, so the exact norm can
+be computed on one process without the model, whatever the layout that holds it.
+
+1. :func:`fill_deterministic_` overwrites each element of each param with
+   ``value(seed, global name, global flat index)``. The global name replaces local layer and
+   expert indices with global ones (:func:`named_global_parameters`); the global flat index
+   places a TP shard in the unpartitioned tensor (``partition_dim``, ``partition_stride``,
+   the TP rank, or the expert-TP rank for experts). So TP duplicates, tied embeddings and
+   replicas get identical values, and the values do not depend on TP/PP/VPP/EP/ETP/DP.
+2. :func:`oracle_sum_of_squares` regenerates the values over the *global* shapes on one process.
+
+Values are ``k / 2**11`` with integer ``|k| <= 127``: exact in bf16 and fp32, so fp32 main params
+copied from bf16 params are exact too, and the oracle (an integer sum of ``k**2``) is exact.
+
+After :func:`fill_deterministic_`, pass the optimizer (or call its ``reload_model_params()``)
+so the fp32 main params pick up the new values. Nothing here uses norm_optim library code.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "fill_deterministic_",
+    "global_param_shapes",
+    "named_global_parameters",
+    "oracle_norm",
+    "oracle_sum_of_squares",
+]
+
+_SCALE_LOG2 = -11
+_HASH_MOD = 2**31
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_TIED_OUTPUT = "output_layer.weight"
+_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+# Generate the oracle in slices of this many elements, to bound its memory.
+_ORACLE_SLICE = 1 << 22
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    # Megatron marks expert weights ``allreduce=False`` (they are reduced over expert-DP only).
+    return not getattr(param, "allreduce", True)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def _global_name(gpt: torch.nn.Module, name: str) -> str:
+    if name == _TIED_OUTPUT and gpt.share_embeddings_and_output_weights:
+        return _WORD_EMBEDDINGS  # the last stage's copy of the tied embedding
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    # ``layer_number`` is global and 1-based; ``get_global_unique_param_name`` is not used
+    # because in megatron-core 0.16.1 it returns local layer numbers for all but one VPP chunk.
+    layer = gpt.decoder.layers[int(match.group(1))]
+    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end():]}"
+    expert = _EXPERT.search(name)
+    if expert is None:
+        return name
+    from megatron.core import parallel_state as ps
+
+    offset = ps.get_expert_model_parallel_rank() * layer.mlp.experts.num_local_experts
+    return f"{name[:expert.start()]}.mlp.experts.local_experts.{offset + int(expert.group(1))}." \
+           f"{name[expert.end():]}"
+
+
+def named_global_parameters(
+    model_chunks: Sequence[torch.nn.Module],
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Like ``named_parameters``, but with layout-independent names.
+
+    Names are GPTModel's, with global layer and expert indices, e.g.
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``; a tied output layer is
+    named ``embedding.word_embeddings.weight``. Every rank holding a piece of the same logical
+    tensor (a TP shard, a duplicate, a replica, a tied copy) yields the same name.
+    """
+    for chunk in model_chunks:
+        gpt = _unwrap(chunk)
+        for name, param in gpt.named_parameters():
+            yield _global_name(gpt, name), param
+
+
+def _tp_rank_and_size(param: torch.Tensor) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return 0, 1
+    if _is_expert(param):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    _, size = _tp_rank_and_size(param)
+    shape = list(param.shape)
+    if size > 1:
+        shape[param.partition_dim] *= size
+    return tuple(shape)
+
+
+def _global_flat_index(param: torch.Tensor) -> torch.Tensor:
+    """The index of each local element in the flattened global tensor (local shape, int64).
+
+    Megatron splits the partition dim into ``size * stride`` blocks and gives rank ``r`` blocks
+    ``r, r + size, ...`` (``_initialize_affine_weight_cpu``).
+    """
+    rank, size = _tp_rank_and_size(param)
+    global_shape = _global_shape(param)
+    strides = torch.empty(global_shape, device="meta").stride()
+    index = torch.zeros(param.shape, dtype=torch.int64)
+    for dim, length in enumerate(param.shape):
+        coord = torch.arange(length, dtype=torch.int64)
+        if size > 1 and dim == param.partition_dim:
+            block = length // getattr(param, "partition_stride", 1)
+            coord = ((coord // block) * size + rank) * block + coord % block
+        view = [1] * param.dim()
+        view[dim] = length
+        index += coord.view(view) * strides[dim]
+    return index
+
+
+def _integer_values(name: str, seed: int, flat_index: torch.Tensor) -> torch.Tensor:
+    """Integers in [-127, 127], a hash of (seed, name, index); int64 math that cannot overflow."""
+    x = (flat_index + zlib.crc32(f"{seed}:{name}".encode())) % _HASH_MOD
+    x = (x * 1103515245 + 12345) % _HASH_MOD
+    x = x ^ (x >> 13)
+    x = (x * 1103515245 + 12345) % _HASH_MOD
+    return (x >> 8) % 255 - 127
+
+
+@torch.no_grad()
+def fill_deterministic_(
+    model_chunks: Sequence[torch.nn.Module], seed: int, optimizer: Any = None
+) -> None:
+    """Overwrite every model param in place with its layout-independent deterministic values.
+
+    Args:
+        model_chunks: this rank's model chunks (as from ``build_model``).
+        seed: selects the values; :func:`oracle_sum_of_squares` with the same seed agrees.
+        optimizer: if given, its ``reload_model_params()`` is called so fp32 main params (whole
+            or sharded) are refreshed from the new model values; otherwise call it yourself.
+    """
+    for name, param in named_global_parameters(model_chunks):
+        values = _integer_values(name, seed, _global_flat_index(param))
+        param.copy_(values.to(torch.float64) * 2.0**_SCALE_LOG2)  # exact in bf16 and fp32
+    if optimizer is not None:
+        optimizer.reload_model_params()
+
+
+def global_param_shapes(
+    model_chunks: Sequence[torch.nn.Module], *, trainable_only: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Global name -> global shape of every logical param of the model, on every rank.
+
+    A collective over the world (``all_gather_object``); without ``torch.distributed`` it sees
+    this process only. ``trainable_only`` drops params with ``requires_grad=False``.
+    """
+    local = {name: (_global_shape(p), p.requires_grad)
+             for name, p in named_global_parameters(model_chunks)}
+    gathered: list[Any] = [local]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+    merged: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for rank, shapes in enumerate(gathered):
+        for name, entry in shapes.items():
+            if merged.setdefault(name, entry) != entry:
+                raise AssertionError(
+                    f"{name}: rank {rank} has (global shape, trainable) {entry}, another rank "
+                    f"{merged[name]}; the global naming or shape rule is wrong for this layout"
+                )
+    return {n: shape for n, (shape, trainable) in sorted(merged.items())
+            if trainable or not trainable_only}
+
+
+def oracle_sum_of_squares(
+    global_shapes: Mapping[str, Sequence[int]], seed: int
+) -> dict[str, float]:
+    """Exact sum of squares of each param filled by :func:`fill_deterministic_`, by name."""
+    sums = {}
+    for name, shape in global_shapes.items():
+        numel = math.prod(shape)
+        total = 0
+        for start in range(0, numel, _ORACLE_SLICE):
+            index = torch.arange(start, min(numel, start + _ORACLE_SLICE), dtype=torch.int64)
+            total += int((_integer_values(name, seed, index) ** 2).sum())
+        sums[name] = math.ldexp(total, 2 * _SCALE_LOG2)
+    return sums
+
+
+def oracle_norm(global_shapes: Mapping[str, Sequence[int]], seed: int) -> float:
+    """Exact global L2 norm of the params in ``global_shapes`` after :func:`fill_deterministic_`."""
+    return math.sqrt(math.fsum(oracle_sum_of_squares(global_shapes, seed).values()))
