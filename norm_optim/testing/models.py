@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step", "transformer_config"]
+__all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step", "transformer_config",
+           "unwrap_gpt"]
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ def train_step(
     config = get_model_config(model_chunks[0])
     config.finalize_model_grads_func = finalize_model_grads
     num_microbatches = num_microbatches or ps.get_pipeline_model_parallel_world_size()
-    gpt = _unwrap(model_chunks[0])
+    gpt = unwrap_gpt(model_chunks[0])
     seq_length, vocab_size = gpt.max_sequence_length, gpt.vocab_size
     generator = torch.Generator().manual_seed(seed)
     batches = [torch.randint(vocab_size, (micro_batch_size, seq_length), generator=generator)
@@ -287,8 +288,8 @@ def train_step(
     return optimizer.step()
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP and Float16Module."""
+def unwrap_gpt(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside a model chunk's DDP and Float16Module wrappers."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from norm_optim.testing.models import unwrap_gpt
+
 __all__ = [
     "fill_deterministic_",
     "global_param_shapes",
@@ -49,15 +51,6 @@ _ORACLE_SLICE = 1 << 22
 def _is_expert(param: torch.Tensor) -> bool:
     # Megatron marks expert weights ``allreduce=False`` (they are reduced over expert-DP only).
     return not getattr(param, "allreduce", True)
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk
 
 
 def _global_name(gpt: torch.nn.Module, name: str) -> str:
@@ -91,7 +84,7 @@ def named_global_parameters(
     tensor (a TP shard, a duplicate, a replica, a tied copy) yields the same name.
     """
     for chunk in model_chunks:
-        gpt = _unwrap(chunk)
+        gpt = unwrap_gpt(chunk)
         for name, param in gpt.named_parameters():
             yield _global_name(gpt, name), param
 
