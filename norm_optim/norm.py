@@ -99,7 +99,10 @@ class NormReducer:
         on its first per-param call) so that slot ``i`` means the same param everywhere.
         """
         if self._per_param_plan is None:
-            records = self.registry.records
+            # Tied copies and excluded frozen params are no params of their own here.
+            records = [
+                r for r in self.registry.records if r.reason not in ("shared", "frozen-excluded")
+            ]
             chunks = self.registry.chunks
             ids = global_param_names(chunks) if chunks is not None else {}
             local = [ids.get(id(r.param), r.name) for r in records]

@@ -13,7 +13,8 @@ data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holdi
                            for whole (non-sharded) main params
 distributed optimizer      the rank whose shard it is (shards            ``Holding.replicated``
                            partition the param within one instance)      is False
-several dist-opt instances instance 0                                    ``Holding.instance``
+several dist-opt instances instance 0 (the first slice of the full     ``Holding.
+                           DP group of the shard-group's size)           shard_group_size``
 layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
                                                                           is False
 pipeline / expert parallel nothing to do: each stage / expert rank
@@ -105,7 +106,11 @@ def is_expert(param: torch.Tensor) -> bool:
 
 
 def why_not_counted(
-    param: torch.Tensor, *, replicated: bool, instance: int, coords: RankCoords
+    param: torch.Tensor,
+    *,
+    replicated: bool,
+    coords: RankCoords,
+    shard_group_size: Optional[int] = None,
 ) -> Optional[str]:
     """The reason this rank must not count ``param``'s tensor, or None if it counts it.
 
@@ -113,8 +118,10 @@ def why_not_counted(
         param: the model param (its TP and ``shared`` attributes decide duplicates).
         replicated: whether the tensor this rank holds is a whole copy that every rank of the
             (expert) data-parallel group holds too, rather than a part only this rank holds.
-        instance: the distributed-optimizer instance the tensor belongs to.
         coords: this rank's coordinates.
+        shard_group_size: for a distributed-optimizer shard, the size of the group the param is
+            sharded over; megatron cuts the full (expert) data-parallel group into consecutive
+            slices of that size, one per distributed-optimizer instance, and instance 0 counts.
     """
     expert = is_expert(param)
     if getattr(param, "shared", False):
@@ -125,6 +132,6 @@ def why_not_counted(
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:
         return "dp-replica"
-    if instance != 0:
+    if shard_group_size and dp_rank // shard_group_size != 0:
         return "other-instance"
     return None

@@ -203,7 +203,10 @@ def _record(
         reason = "held-elsewhere"
     else:
         reason = why_not_counted(
-            param, replicated=holding.replicated, instance=holding.instance, coords=coords
+            param,
+            replicated=holding.replicated,
+            coords=coords,
+            shard_group_size=holding.shard_group_size,
         )
     sharded = tensor is not None and tensor.numel() != param.numel()
     return ParamRecord(

@@ -33,7 +33,9 @@ class Holding:
         source: how ``tensor`` relates to the param (for inspection and error messages).
         replicated: True if every rank of the (expert) data-parallel group holds the same whole
             tensor; False if the tensor is a part (or an assignment) that only this rank holds.
-        instance: the distributed-optimizer instance the tensor belongs to.
+        shard_group_size: for distributed-optimizer shards, the size of the group the param is
+            sharded over. When it is smaller than the full (expert) data-parallel group, each
+            slice of that group (a distributed-optimizer instance) holds a full set of shards.
         optimizer: class name of the leaf optimizer that holds it.
     """
 
@@ -41,7 +43,7 @@ class Holding:
     tensor: Optional[torch.Tensor]
     source: str
     replicated: bool
-    instance: int = 0
+    shard_group_size: Optional[int] = None
     optimizer: str = ""
 
 
@@ -143,12 +145,15 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield Holding(param, None, "assigned-elsewhere", False, 0, type(optimizer).__name__)
+                    yield Holding(param, None, "assigned-elsewhere", False, None, type(optimizer).__name__)
 
 
 def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
-    instance = int(getattr(optimizer, "distributed_optimizer_instance_id", 0) or 0)
+    # The instance is derived from the group the shards partition, not from the optimizer's
+    # distributed_optimizer_instance_id: megatron leaves that id at 0 when the parallel state has
+    # several instances but the DDP config says one, while still sharding over one instance.
+    shard_group_size = optimizer.data_parallel_group.size()
     held: set[int] = set()
     pairs = [
         (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, "main-shard"),
@@ -161,13 +166,13 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
                 if shard is None and _is_precision_aware(optimizer):
                     shard, how = _precision_aware_master(optimizer, param), "master-param-shard"
                 held.add(id(param))
-                yield Holding(param, shard, how, False, instance, name)
+                yield Holding(param, shard, how, False, shard_group_size, name)
     # Params of this optimizer's buffers with no shard on this rank.
     for buffer in getattr(optimizer, "buffers", []):
         for param in buffer.params:
             if id(param) not in held:
                 held.add(id(param))
-                yield Holding(param, None, "no-local-shard", False, instance, name)
+                yield Holding(param, None, "no-local-shard", False, shard_group_size, name)
 
 
 def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> torch.Tensor:
@@ -195,10 +200,10 @@ def _read_float16(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
     for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
         for param, main in zip(model_group, main_group):
-            yield Holding(param, main, "main", not _assigned(param, ctx), 0, name)
+            yield Holding(param, main, "main", not _assigned(param, ctx), None, name)
     for group in optimizer.fp32_from_fp32_groups:
         for param in group:
-            yield Holding(param, param, "fp32-param", not _assigned(param, ctx), 0, name)
+            yield Holding(param, param, "fp32-param", not _assigned(param, ctx), None, name)
 
 
 def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -208,7 +213,7 @@ def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     for group in torch_optimizer.param_groups:
         for param in group["params"]:
             source = "fp32-param" if param.dtype == torch.float32 else "param"
-            yield Holding(param, param, source, not _assigned(param, ctx), 0, name)
+            yield Holding(param, param, source, not _assigned(param, ctx), None, name)
 
 
 def _assigned(param: torch.Tensor, ctx: _Context) -> bool:

@@ -1,0 +1,187 @@
+"""``param_l2_norm()`` against an independent oracle on every parallel layout, real megatron-core.
+
+Each case builds the tiny GPT (dense or MoE) on gloo CPU ranks with the real parallel state,
+DDP and ``get_megatron_optimizer`` (distributed optimizer on and off), fills every weight with
+values that depend only on its logical identity (``fill_deterministic_``), then scales the
+optimizer's fp32 main params by ``MAIN_SCALE`` so that they differ from the bf16 params. The
+oracle is computed on one process from the *unparallel* build's param shapes: the norm must be
+``sqrt(MAIN_SCALE² · trainable² + frozen²)`` to 1e-6, on every rank. The same run checks the
+per-parameter and dense/expert breakdowns, the single collective, and storage identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
+from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
+
+SEED = 7
+# Not representable in bf16: a norm taken from the bf16 params would be off by ~1e-3.
+MAIN_SCALE = 1.0 + 2.0**-10
+REL = 1e-6
+
+DENSE = TinyGPTConfig(hidden_size=32, num_layers=4, num_attention_heads=4, vocab_size=64)
+MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world: int
+    cfg: TinyGPTConfig = DENSE
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    instances: int = 1
+    ddp_instances: int | None = None  # None: as ``instances`` (what Megatron-LM configures)
+    freeze: tuple[str, ...] = ()
+    fp32_params: tuple[str, ...] = ()
+
+    def parallel(self) -> dict[str, Any]:
+        return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
+                    num_distributed_optimizer_instances=self.instances)
+
+
+LAYOUTS = {
+    "dp1": Layout(1),
+    "dp2": Layout(2),
+    "dp4": Layout(4),
+    "dp8": Layout(8),  # small params: several ranks own no shard of some of them
+    "tp2": Layout(2, tp=2),
+    "tp4": Layout(4, tp=4),
+    "pp2-tied": Layout(2, pp=2),
+    "pp2-vpp2": Layout(2, pp=2, vpp=2),
+    "tp2-pp2-dp2": Layout(8, tp=2, pp=2),
+    "cp2-dp2": Layout(4, cp=2),
+    "ep2": Layout(2, MOE, ep=2),
+    "ep4-8experts": Layout(4, dataclasses.replace(MOE, num_experts=8), ep=4),
+    "tp2-ep2-etp1": Layout(4, MOE, tp=2, ep=2, etp=1),
+    "tp2-ep2-etp2": Layout(4, MOE, tp=2, ep=2, etp=2),
+    "pp2-ep2": Layout(4, MOE, pp=2, ep=2),
+    "pp2-moe-on-stage1-only": Layout(4, dataclasses.replace(MOE, moe_layer_freq=(0, 0, 1, 1)),
+                                     pp=2, ep=2),
+    "dp4-2instances": Layout(4, instances=2),
+    "ep2-dp2-2instances": Layout(4, MOE, ep=2, instances=2),
+    # Parallel state with 2 instances, DDP told 1: megatron still shards over one instance but
+    # leaves every rank's distributed_optimizer_instance_id at 0.
+    "dp4-2instances-ddp1": Layout(4, instances=2, ddp_instances=1),
+    "tp2-frozen": Layout(4, tp=2, freeze=("decoder.layers.0.*", "embedding.*")),
+    "ep2-fp32-mixed": Layout(2, MOE, ep=2, fp32_params=("*layernorm*", "*router*")),
+}
+CASES = [
+    pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}")
+    for name, layout in LAYOUTS.items()
+    for dist_opt in (True, False)
+    if dist_opt or layout.instances == 1  # several instances exist only with the dist. optimizer
+]
+
+
+def _unparallel_shapes(cfg: TinyGPTConfig, freeze: tuple[str, ...]) -> dict[str, dict]:
+    """Rank body: the same model on one rank, no parallelism (the oracle's source of shapes)."""
+    init_parallel()
+    chunks = build_model(cfg, freeze=freeze, seed=SEED)
+    return {
+        "all": global_param_shapes(chunks, trainable_only=False),
+        "trainable": global_param_shapes(chunks, trainable_only=True),
+    }
+
+
+def _scale_main_params(optimizer: Any, factor: float) -> None:
+    """Scale every fp32 tensor the optimizer steps on: main params, main shards, fp32 params."""
+    for group in optimizer.param_groups:
+        for main in group["params"]:
+            main.data.mul_(factor)
+
+
+def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
+    from norm_optim import NormAwareOptimizer
+    from norm_optim.comm import TorchCommunicator
+
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, freeze=layout.freeze,
+                         fp32_params=layout.fp32_params, seed=SEED,
+                         num_distributed_optimizer_instances=layout.ddp_instances or layout.instances)
+    inner = build_optimizer(chunks)
+    fill_deterministic_(chunks, SEED, optimizer=inner)
+    _scale_main_params(inner, MAIN_SCALE)
+    shapes = global_param_shapes(chunks, trainable_only=False)
+
+    class Counting(TorchCommunicator):
+        all_reduces = 0
+
+        def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
+            Counting.all_reduces += 1
+            return super().all_reduce_sum(tensor, group, async_op)
+
+    optimizer = NormAwareOptimizer(inner, model=chunks, comm=Counting())
+    norms = optimizer.param_l2_norms(per_param=True)  # first call also gathers names once
+    Counting.all_reduces = 0
+    total = float(optimizer.param_l2_norm())
+    split = optimizer.param_l2_norms()
+    per_param = optimizer.param_l2_norms(per_param=True)
+    collectives = Counting.all_reduces / 3
+
+    owned_storage = {t.untyped_storage().data_ptr() for g in inner.param_groups for t in g["params"]}
+    frozen_storage = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()
+                      if not p.requires_grad}
+    shares_storage = all(
+        r.tensor.untyped_storage().data_ptr() in owned_storage | frozen_storage
+        for r in optimizer.registry.counted
+    )
+    return {
+        "total": total,
+        "dense": float(split.dense),
+        "expert": float(split.expert),
+        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
+        "first_per_param_total": float(norms.total),
+        "collectives": collectives,
+        "shares_storage": shares_storage,
+        "shapes": shapes,
+        "counted_anything": bool(optimizer.registry.counted),
+    }
+
+
+@pytest.fixture(scope="module")
+def oracle_shapes() -> dict[tuple, dict[str, dict]]:
+    return {}
+
+
+@pytest.mark.parametrize("name,dist_opt", CASES)
+def test_param_norm_matches_unparallel_oracle(
+    name: str, dist_opt: bool, oracle_shapes: dict[tuple, dict[str, dict]]
+) -> None:
+    layout = LAYOUTS[name]
+    key = (layout.cfg, layout.freeze)
+    if key not in oracle_shapes:
+        oracle_shapes[key] = run_ranks(_unparallel_shapes, 1, layout.cfg, layout.freeze)[0]
+    shapes = oracle_shapes[key]
+    sums = oracle_sum_of_squares(shapes["all"], SEED)
+    trainable = set(shapes["trainable"])
+    scaled = {n: s * (MAIN_SCALE**2 if n in trainable else 1.0) for n, s in sums.items()}
+    expert = math.fsum(s for n, s in scaled.items() if ".experts." in n)
+    expected = math.sqrt(math.fsum(scaled.values()))
+
+    results = run_ranks(_rank_body, layout.world, layout, dist_opt, timeout=180)
+
+    for rank, got in enumerate(results):
+        # The layout holds exactly the unparallel model's params (same names, same shapes).
+        assert got["shapes"] == shapes["all"], f"rank {rank}: the layout's model differs"
+        assert got["total"] == pytest.approx(expected, rel=REL), f"rank {rank}"
+        assert got["first_per_param_total"] == pytest.approx(expected, rel=REL)
+        assert got["expert"] == pytest.approx(math.sqrt(expert), rel=REL, abs=1e-12)
+        assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(expected**2, rel=REL)
+        assert set(got["per_param"]) == set(sums), f"rank {rank}: per-param names differ"
+        for param_name, value in got["per_param"].items():
+            assert value == pytest.approx(math.sqrt(scaled[param_name]), rel=REL), param_name
+        assert got["collectives"] == 1, "one all-reduce per call, breakdowns included"
+        assert got["shares_storage"], "a summed tensor is a copy, not the optimizer's own"
+    assert any(r["counted_anything"] for r in results)
