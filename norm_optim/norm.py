@@ -62,9 +62,18 @@ class NormReducer:
         registry: what this rank counts.
         comm: the communication seam.
         group: a process group that contains every rank that counts anything (default: all).
+        names: the gathered ``(layout-independent name, expert)`` list of a previous reducer of
+            the same model. A registry may be rebuilt on some ranks only (their optimizer
+            replaced tensors); reusing the names keeps the rebuild free of collectives.
     """
 
-    def __init__(self, registry: ParamRegistry, comm: Communicator, group: ProcessGroup) -> None:
+    def __init__(
+        self,
+        registry: ParamRegistry,
+        comm: Communicator,
+        group: ProcessGroup,
+        names: Optional[list[tuple[str, bool]]] = None,
+    ) -> None:
         self.registry, self.comm, self.group = registry, comm, group
         self.device = comm.device(group)
         counted = registry.counted
@@ -77,7 +86,8 @@ class NormReducer:
             out_device=self.device,
         )
         self._per_param_plan: Optional[SumOfSquaresPlan] = None
-        self._names: Optional[list[str]] = None
+        self.names = names
+        self._labels: list[str] = []
         self._kinds = torch.empty(0, dtype=torch.long)
 
     def launch(self, per_param: bool = False, async_op: bool = False) -> PendingNorms:
@@ -90,7 +100,7 @@ class NormReducer:
         else:
             squares = self._split_plan()
         work = self.comm.all_reduce_sum(squares, self.group, async_op)
-        return PendingNorms(squares, work, self._names if per_param else None)
+        return PendingNorms(squares, work, self._labels if per_param else None)
 
     def _per_param(self) -> tuple[SumOfSquaresPlan, torch.Tensor]:
         """Build (once) the plan with one slot per layout-independent param name.
@@ -106,18 +116,20 @@ class NormReducer:
             chunks = self.registry.chunks
             ids = global_param_names(chunks) if chunks is not None else {}
             local = [ids.get(id(r.param), r.name) for r in records]
-            mine = sorted({(name, r.expert) for name, r in zip(local, records)})
-            every = sorted(set().union(*map(set, self.comm.all_gather_object(mine, self.group))))
-            self._names = [name for name, _ in every]
-            slot = {name: EXPERT + 1 + i for i, name in enumerate(self._names)}
+            if self.names is None:
+                mine = sorted({(name, r.expert) for name, r in zip(local, records)})
+                gathered = self.comm.all_gather_object(mine, self.group)
+                self.names = sorted(set().union(*map(set, gathered)))
+            self._labels = [name for name, _ in self.names]
+            slot = {name: EXPERT + 1 + i for i, name in enumerate(self._labels)}
             counted = [(r, n) for r, n in zip(records, local) if r.counted]
             self._per_param_plan = SumOfSquaresPlan(
                 [r.tensor for r, _ in counted],  # type: ignore[misc]
                 [slot[n] for _, n in counted],
-                num_slots=EXPERT + 1 + len(self._names),
+                num_slots=EXPERT + 1 + len(self.names),
                 out_device=self.device,
             )
             self._kinds = torch.tensor(
-                [EXPERT if expert else DENSE for _, expert in every], device=self.device
+                [EXPERT if expert else DENSE for _, expert in self.names], device=self.device
             )
         return self._per_param_plan, self._kinds

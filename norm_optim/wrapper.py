@@ -138,7 +138,8 @@ class NormAwareOptimizer:
             registry = ParamRegistry(
                 self._optimizer, self._model, coords=self._coords, count_frozen=self._count_frozen
             )
-            self._reducer = NormReducer(registry, self._comm, self._group)
+            names = self._reducer.names if self._reducer is not None else None
+            self._reducer = NormReducer(registry, self._comm, self._group, names)
             self._fingerprint = current
             self._stale = False
         return self._reducer
