@@ -40,6 +40,10 @@ class Communicator(Protocol):
 
     def size(self, group: ProcessGroup) -> int: ...
 
+    def first_rank(self, group: ProcessGroup) -> int:
+        """The global rank of ``group``'s rank 0."""
+        ...
+
     def device(self, group: ProcessGroup) -> torch.device:
         """The device a tensor must live on to be reduced over ``group``."""
         ...
@@ -62,6 +66,11 @@ class TorchCommunicator:
 
     def size(self, group: ProcessGroup) -> int:
         return dist.get_world_size(group) if self.is_distributed() else 1
+
+    def first_rank(self, group: ProcessGroup) -> int:
+        if not self.is_distributed() or group is None:
+            return 0
+        return dist.get_process_group_ranks(group)[0]
 
     def device(self, group: ProcessGroup) -> torch.device:
         if self.is_distributed() and dist.get_backend(group) == "nccl":
@@ -103,6 +112,9 @@ class RecordingCommunicator:
 
     def size(self, group: ProcessGroup) -> int:
         return self._size
+
+    def first_rank(self, group: ProcessGroup) -> int:
+        return 0
 
     def device(self, group: ProcessGroup) -> torch.device:
         return self._device

@@ -51,3 +51,19 @@ def _walk(
             yield from _walk(child, "", experts)
             continue
         yield from _walk(child, f"{prefix}{child_name}.", experts)
+
+
+def expert_param_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
+    """``id`` of every param that lives in an expert layer, whatever the expert-parallel size.
+
+    megatron marks expert params ``allreduce=False`` only when EP > 1; at EP = 1 they look dense
+    but are still split by the expert-TP group and replicated over expert-DP (which differ from
+    TP and DP when ETP != TP). Expert layers are the modules megatron builds with
+    ``is_expert=True`` and those under a ``.experts`` submodule of an MoE layer.
+    """
+    ids: set[int] = set()
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if getattr(module, "is_expert", False) is True or name.split(".")[-1] == "experts":
+                ids.update(id(p) for p in module.parameters())
+    return ids

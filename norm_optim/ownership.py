@@ -13,8 +13,9 @@ data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holdi
                            for whole (non-sharded) main params
 distributed optimizer      the rank whose shard it is (shards            ``Holding.replicated``
                            partition the param within one instance)      is False
-several dist-opt instances instance 0 (the first slice of the full     ``Holding.
-                           DP group of the shard-group's size)           shard_group_size``
+several dist-opt instances the shard group that holds the              ``Holding.
+(or experts at EP=1,       replicating group's first rank                shard_group``
+sharded over dense DP)
 layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
                                                                           is False
 pipeline / expert parallel nothing to do: each stage / expert rank
@@ -44,12 +45,16 @@ class RankCoords:
         expert_tp: rank in the expert-tensor-parallel group.
         dp_cp: rank in the full data×context-parallel group (all optimizer instances).
         expert_dp: rank in the full expert-data-parallel group (all optimizer instances).
+        dp_cp_first, expert_dp_first: global rank of rank 0 of those groups (the replica that
+            counts a param sharded over a smaller group).
     """
 
     tp: int = 0
     expert_tp: int = 0
     dp_cp: int = 0
     expert_dp: int = 0
+    dp_cp_first: int = 0
+    expert_dp_first: int = 0
 
     @classmethod
     def from_parallel_state(cls, comm: Communicator) -> "RankCoords":
@@ -68,11 +73,15 @@ class RankCoords:
                     "before wrapping the optimizer, or pass pg_collection=..."
                 )
             return cls()
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        expert_dp_group = ps.get_expert_data_parallel_group(check_initialized=False)
         return cls(
             tp=ps.get_tensor_model_parallel_rank(),
             expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
             dp_cp=ps.get_data_parallel_rank(with_context_parallel=True),
             expert_dp=ps.get_expert_data_parallel_rank(),
+            dp_cp_first=comm.first_rank(dp_cp_group),
+            expert_dp_first=comm.first_rank(expert_dp_group),
         )
 
     @classmethod
@@ -85,13 +94,16 @@ class RankCoords:
                 "dp_cp (and expt_tp, expt_dp for MoE models)"
             )
         tp = comm.rank(pg_collection.tp)  # type: ignore[attr-defined]
+        dp_cp_group = pg_collection.dp_cp  # type: ignore[attr-defined]
         expert_tp_group = getattr(pg_collection, "expt_tp", None)
         expert_dp_group = getattr(pg_collection, "expt_dp", None)
         return cls(
             tp=tp,
             expert_tp=comm.rank(expert_tp_group) if expert_tp_group is not None else tp,
-            dp_cp=comm.rank(pg_collection.dp_cp),  # type: ignore[attr-defined]
+            dp_cp=comm.rank(dp_cp_group),
             expert_dp=comm.rank(expert_dp_group) if expert_dp_group is not None else 0,
+            dp_cp_first=comm.first_rank(dp_cp_group),
+            expert_dp_first=comm.first_rank(expert_dp_group) if expert_dp_group is not None else 0,
         )
 
 
@@ -100,30 +112,27 @@ def _or_zero(rank: Optional[int]) -> int:
     return 0 if rank is None else int(rank)
 
 
-def is_expert(param: torch.Tensor) -> bool:
-    """Expert params are the ones megatron keeps out of the dense all-reduce."""
-    return not getattr(param, "allreduce", True)
-
-
 def why_not_counted(
     param: torch.Tensor,
     *,
+    expert: bool,
     replicated: bool,
     coords: RankCoords,
-    shard_group_size: Optional[int] = None,
+    shard_group: Optional[frozenset[int]] = None,
 ) -> Optional[str]:
     """The reason this rank must not count ``param``'s tensor, or None if it counts it.
 
     Args:
         param: the model param (its TP and ``shared`` attributes decide duplicates).
+        expert: whether the param lives in an expert layer (split by expert-TP, replicated over
+            expert-DP), whichever optimizer holds it.
         replicated: whether the tensor this rank holds is a whole copy that every rank of the
             (expert) data-parallel group holds too, rather than a part only this rank holds.
         coords: this rank's coordinates.
-        shard_group_size: for a distributed-optimizer shard, the size of the group the param is
-            sharded over; megatron cuts the full (expert) data-parallel group into consecutive
-            slices of that size, one per distributed-optimizer instance, and instance 0 counts.
+        shard_group: for a distributed-optimizer shard, the global ranks of the group the param
+            is sharded over. Groups like it partition the replicating (expert) data-parallel
+            group, each holding a full set of shards; the one holding its first rank counts.
     """
-    expert = is_expert(param)
     if getattr(param, "shared", False):
         return "shared"
     tp_rank = coords.expert_tp if expert else coords.tp
@@ -132,6 +141,7 @@ def why_not_counted(
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:
         return "dp-replica"
-    if shard_group_size and dp_rank // shard_group_size != 0:
+    first = coords.expert_dp_first if expert else coords.dp_cp_first
+    if shard_group is not None and first not in shard_group:
         return "other-instance"
     return None

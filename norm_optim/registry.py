@@ -13,7 +13,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 
 from .errors import UnknownParamError
-from .ownership import RankCoords, is_expert, why_not_counted
+from .naming import expert_param_ids
+from .ownership import RankCoords, why_not_counted
 from .sources import Holding, read_holdings
 
 DENSE, EXPERT = 0, 1
@@ -165,8 +166,10 @@ def _build_records(
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
+        experts: set[int] = set()
     else:
         named = named_model_params(chunks)
+        experts = expert_param_ids(chunks)
 
     records: list[ParamRecord] = []
     for name, param in named:
@@ -180,9 +183,11 @@ def _build_records(
                 )
             holding = Holding(param, param, "frozen", replicated=True)
             if not count_frozen:
-                records.append(_record(name, holding, coords, forced_reason="frozen-excluded"))
+                records.append(
+                    _record(name, holding, coords, experts, forced_reason="frozen-excluded")
+                )
                 continue
-        records.append(_record(name, holding, coords))
+        records.append(_record(name, holding, coords, experts))
 
     if by_param:
         shapes = [tuple(h.param.shape) for h in list(by_param.values())[:3]]
@@ -194,9 +199,15 @@ def _build_records(
 
 
 def _record(
-    name: str, holding: Holding, coords: RankCoords, forced_reason: Optional[str] = None
+    name: str,
+    holding: Holding,
+    coords: RankCoords,
+    experts: set[int],
+    forced_reason: Optional[str] = None,
 ) -> ParamRecord:
     param, tensor = holding.param, holding.tensor
+    # Megatron's own marker (EP > 1), or the model's structure (also at EP = 1).
+    expert = not getattr(param, "allreduce", True) or id(param) in experts
     if forced_reason is not None:
         reason: Optional[str] = forced_reason
     elif tensor is None:
@@ -204,9 +215,10 @@ def _record(
     else:
         reason = why_not_counted(
             param,
+            expert=expert,
             replicated=holding.replicated,
             coords=coords,
-            shard_group_size=holding.shard_group_size,
+            shard_group=holding.shard_group,
         )
     sharded = tensor is not None and tensor.numel() != param.numel()
     return ParamRecord(
@@ -214,7 +226,7 @@ def _record(
         param=param,
         tensor=tensor,
         source=holding.source,
-        expert=is_expert(param),
+        expert=expert,
         sharded=sharded or holding.source.endswith("shard"),
         counted=reason is None,
         reason=reason,

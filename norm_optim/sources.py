@@ -33,9 +33,11 @@ class Holding:
         source: how ``tensor`` relates to the param (for inspection and error messages).
         replicated: True if every rank of the (expert) data-parallel group holds the same whole
             tensor; False if the tensor is a part (or an assignment) that only this rank holds.
-        shard_group_size: for distributed-optimizer shards, the size of the group the param is
-            sharded over. When it is smaller than the full (expert) data-parallel group, each
-            slice of that group (a distributed-optimizer instance) holds a full set of shards.
+        shard_group: for distributed-optimizer shards, the global ranks of the group the param
+            is sharded over. When it is smaller than the group that replicates the param (several
+            distributed-optimizer instances; or experts at EP=1, which the dense optimizer shards
+            over dense DP while expert-DP replicates them), each such group holds a full set of
+            shards, and only the one holding the replicating group's first rank counts.
         optimizer: class name of the leaf optimizer that holds it.
     """
 
@@ -43,7 +45,7 @@ class Holding:
     tensor: Optional[torch.Tensor]
     source: str
     replicated: bool
-    shard_group_size: Optional[int] = None
+    shard_group: Optional[frozenset[int]] = None
     optimizer: str = ""
 
 
@@ -51,9 +53,10 @@ class Holding:
 class _Context:
     """What a reader inherits from the optimizers that contain it."""
 
-    # Layer-wise distributed optimizer: params are assigned whole to one DP rank each.
-    assigned_dense: bool = False
-    assigned_expert: bool = False
+    # Layer-wise distributed optimizer: each param is assigned whole to one rank of a group
+    # (DP×CP for dense params, expert-DP for expert ones): the global ranks of those groups.
+    dense_assignment: Optional[frozenset[int]] = None
+    expert_assignment: Optional[frozenset[int]] = None
 
 
 def read_holdings(optimizer: Any) -> list[Holding]:
@@ -74,24 +77,46 @@ def leaves(optimizer: Any) -> Iterator[Any]:
 def fingerprint(optimizer: Any) -> tuple:
     """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors.
 
-    Used to notice, at call time and without walking params, that the registry must be rebuilt:
-    a rebuilt optimizer, new param-group lists, or optimizer state created by the first step (the
-    precision-aware optimizer keeps its master weights there).
+    Used to notice, at call time and without walking params, that the registry must be rebuilt,
+    also when the tensors were replaced behind the wrapper's back (the inner optimizer's own
+    ``load_state_dict``, ``offload_to_cpu``/``restore_from_cpu``, ``HybridDeviceOptimizer``
+    re-creating its fp32 copies): a rebuilt optimizer, new param-group lists, optimizer state
+    created by the first step or replaced by a load (the precision-aware optimizer keeps its
+    master weights there), and where the first and last param of each group (and their master
+    weights) keep their data. Those replace every tensor of a group at once, so two per group
+    suffice; a caller that swaps single tensors itself must call ``refresh()``.
     """
     parts: list[Any] = []
     for leaf in leaves(optimizer):
-        inner = getattr(leaf, "optimizer", None)
+        inner = leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
         groups = getattr(inner, "param_groups", None) or []
-        state = getattr(inner, "state", None)
+        state = getattr(inner, "state", None) if _is_precision_aware(leaf) else None
         parts.append(
             (
                 id(leaf),
                 id(inner),
-                tuple((id(g["params"]), len(g["params"])) for g in groups),
-                len(state) if _is_precision_aware(leaf) and state is not None else -1,
+                tuple(_group_print(g["params"], state) for g in groups),
+                len(state) if state is not None else -1,
             )
         )
     return tuple(parts)
+
+
+def _group_print(params: list, state: Optional[dict]) -> tuple:
+    ends = (params[0], params[-1]) if params else ()
+    masters = [state.get(p, {}).get("master_param") for p in ends] if state is not None else []
+    return (id(params), len(params), *map(_where, ends), *map(_where, masters))
+
+
+def _where(tensor: Optional[torch.Tensor]) -> tuple:
+    """Where a tensor's data lives now: ``.data`` swaps (offload) and new tensors change it.
+
+    A replaced storage cannot hand its address to the new one while norm_optim's plan still
+    holds views of it, which it does until the rebuild this check triggers.
+    """
+    if tensor is None:
+        return ()
+    return (id(tensor), tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
 
 
 def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -130,9 +155,12 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     # it keeps the per-rank assignment lists (None when it does not shard).
     layer_wise = hasattr(optimizer, "dp_cp_params_list")
     if layer_wise:
+        groups = optimizer.pg_collection
         ctx = _Context(
-            assigned_dense=optimizer.dp_cp_params_list is not None,
-            assigned_expert=getattr(optimizer, "expt_dp_params_list", None) is not None,
+            dense_assignment=_global_ranks(groups.dp_cp)
+            if optimizer.dp_cp_params_list is not None else None,
+            expert_assignment=_global_ranks(groups.expt_dp)
+            if getattr(optimizer, "expt_dp_params_list", None) is not None else None,
         )
     seen: set[int] = set()
     for member in optimizer.chained_optimizers:
@@ -145,54 +173,71 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield Holding(param, None, "assigned-elsewhere", False, None, type(optimizer).__name__)
+                    yield _whole(param, None, "assigned-elsewhere", ctx, type(optimizer).__name__)
 
 
 def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
-    # The instance is derived from the group the shards partition, not from the optimizer's
-    # distributed_optimizer_instance_id: megatron leaves that id at 0 when the parallel state has
-    # several instances but the DDP config says one, while still sharding over one instance.
-    shard_group_size = optimizer.data_parallel_group.size()
+    # Replicas of a shard are told apart by the group the shards partition, not by the
+    # optimizer's distributed_optimizer_instance_id: megatron leaves that id at 0 when the
+    # parallel state has several instances but the DDP config says one.
+    shard_group = _global_ranks(optimizer.data_parallel_group)
     held: set[int] = set()
     pairs = [
         (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, "main-shard"),
         (optimizer.model_fp32_groups, optimizer.shard_fp32_groups, "fp32-param-shard"),
     ]
     for model_groups, shard_groups, source in pairs:
-        for model_group, shard_group in zip(model_groups, shard_groups):
-            for param, shard in zip(model_group, shard_group):
+        for model_group, shards in zip(model_groups, shard_groups):
+            for param, shard in zip(model_group, shards):
                 how = source
                 if shard is None and _is_precision_aware(optimizer):
                     shard, how = _precision_aware_master(optimizer, param), "master-param-shard"
                 held.add(id(param))
-                yield Holding(param, shard, how, False, shard_group_size, name)
+                yield Holding(param, shard, how, False, shard_group, name)
     # Params of this optimizer's buffers with no shard on this rank.
     for buffer in getattr(optimizer, "buffers", []):
         for param in buffer.params:
             if id(param) not in held:
                 held.add(id(param))
-                yield Holding(param, None, "no-local-shard", False, shard_group_size, name)
+                yield Holding(param, None, "no-local-shard", False, shard_group, name)
+
+
+def _global_ranks(group: Any) -> frozenset[int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return frozenset({0})
+    return frozenset(dist.get_process_group_ranks(group))
 
 
 def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> torch.Tensor:
     """The fp32 master shard that a precision-aware inner optimizer keeps in its state.
 
-    Transformer Engine's FusedAdam keeps it as ``state[shard]["master_param"]``; before the first
-    step (no state yet) the master weights still equal the bf16 shard, which is then the exact
-    tensor to sum.
+    Transformer Engine's FusedAdam keeps it as ``state[shard]["master_param"]``, and so does
+    ``HybridDeviceOptimizer`` (CPU offload: its fp32 copy, which its sub-optimizer steps); before
+    the first step (no state yet) the master weights still equal the bf16 shard, which is then the
+    exact tensor to sum.
     """
+    inner = optimizer.optimizer
+    if getattr(inner, "store_param_remainders", False):
+        # Refused at wrap time, not after the first step, when the int16 state appears.
+        raise _remainders_error("int16 remainders (store_param_remainders=True)")
     group_index, order = optimizer.model_param_group_index_map[param]
-    shard = optimizer.optimizer.param_groups[group_index]["params"][order]
-    master = optimizer.optimizer.state.get(shard, {}).get("master_param")
+    shard = inner.param_groups[group_index]["params"][order]
+    master = inner.state.get(shard, {}).get("master_param")
     if master is None:
         return shard
     if master.dtype == torch.float32:
         return master
-    raise UnsupportedOptimizerError(
-        f"the precision-aware optimizer keeps master weights as {master.dtype} "
-        "(store_param_remainders=True or a low-precision main_params_dtype); norm_optim reads "
-        "only fp32 master weights: set OptimizerConfig(store_param_remainders=False)"
+    raise _remainders_error(f"{master.dtype} tensors")
+
+
+def _remainders_error(what: str) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(
+        f"the precision-aware optimizer keeps its master weights as {what}; norm_optim reads only "
+        "fp32 master weights: build the optimizer with OptimizerConfig(store_param_remainders="
+        "False) and main_params_dtype=torch.float32"
     )
 
 
@@ -200,10 +245,10 @@ def _read_float16(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
     for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
         for param, main in zip(model_group, main_group):
-            yield Holding(param, main, "main", not _assigned(param, ctx), None, name)
+            yield _whole(param, main, "main", ctx, name)
     for group in optimizer.fp32_from_fp32_groups:
         for param in group:
-            yield Holding(param, param, "fp32-param", not _assigned(param, ctx), None, name)
+            yield _whole(param, param, "fp32-param", ctx, name)
 
 
 def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -213,12 +258,17 @@ def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     for group in torch_optimizer.param_groups:
         for param in group["params"]:
             source = "fp32-param" if param.dtype == torch.float32 else "param"
-            yield Holding(param, param, source, not _assigned(param, ctx), None, name)
+            yield _whole(param, param, source, ctx, name)
 
 
-def _assigned(param: torch.Tensor, ctx: _Context) -> bool:
+def _whole(
+    param: torch.nn.Parameter, tensor: torch.Tensor, source: str, ctx: _Context, name: str
+) -> Holding:
+    """A whole-param holding: replicated over DP, or assigned to this rank (layer-wise)."""
+    # The layer-wise optimizer splits its assignment by megatron's own expert marker.
     expert = not getattr(param, "allreduce", True)
-    return ctx.assigned_expert if expert else ctx.assigned_dense
+    assignment = ctx.expert_assignment if expert else ctx.dense_assignment
+    return Holding(param, tensor, source, assignment is None, assignment, name)
 
 
 def _read_nothing(optimizer: Any, ctx: _Context) -> Iterator[Holding]:

@@ -67,6 +67,10 @@ LAYOUTS = {
     "tp2-ep2-etp1": Layout(4, MOE, tp=2, ep=2, etp=1),
     "tp2-ep2-etp2": Layout(4, MOE, tp=2, ep=2, etp=2),
     "pp2-ep2": Layout(4, MOE, pp=2, ep=2),
+    # EP = 1: megatron does not mark experts allreduce=False, yet ETP still splits them.
+    "tp2-ep1-etp1": Layout(2, MOE, tp=2, etp=1),
+    "tp2-dp2-ep1-etp1": Layout(4, MOE, tp=2, etp=1),
+    "ep1-moe-dp2": Layout(2, MOE),
     "pp2-moe-on-stage1-only": Layout(4, dataclasses.replace(MOE, moe_layer_freq=(0, 0, 1, 1)),
                                      pp=2, ep=2),
     "dp4-2instances": Layout(4, instances=2),

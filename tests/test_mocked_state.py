@@ -58,6 +58,9 @@ def mocked_ranks(**ranks: int) -> Iterator[None]:
     mp.setattr(ps, "get_expert_tensor_parallel_rank", lambda: ranks.get("expert_tp", 0))
     mp.setattr(ps, "get_data_parallel_rank", lambda **_: ranks.get("dp_cp", 0))
     mp.setattr(ps, "get_expert_data_parallel_rank", lambda **_: ranks.get("expert_dp", 0))
+    # No process groups exist: the replicating groups' first ranks read as 0.
+    mp.setattr(ps, "get_data_parallel_group", lambda **_: None)
+    mp.setattr(ps, "get_expert_data_parallel_group", lambda **_: None)
     try:
         yield
     finally:

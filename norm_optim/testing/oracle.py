@@ -48,9 +48,10 @@ _WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 _ORACLE_SLICE = 1 << 22
 
 
-def _is_expert(param: torch.Tensor) -> bool:
-    # Megatron marks expert weights ``allreduce=False`` (they are reduced over expert-DP only).
-    return not getattr(param, "allreduce", True)
+def _is_expert(name: str) -> bool:
+    # By the global name, not megatron's ``allreduce=False`` marker: megatron sets that only when
+    # EP > 1, but expert weights are split by the expert-TP group at any EP size.
+    return ".mlp.experts." in name
 
 
 def _global_name(gpt: torch.nn.Module, name: str) -> str:
@@ -89,32 +90,32 @@ def named_global_parameters(
             yield _global_name(gpt, name), param
 
 
-def _tp_rank_and_size(param: torch.Tensor) -> tuple[int, int]:
+def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
     if not getattr(param, "tensor_model_parallel", False):
         return 0, 1
-    if _is_expert(param):
+    if _is_expert(name):
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
-def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
-    _, size = _tp_rank_and_size(param)
+def _global_shape(name: str, param: torch.Tensor) -> tuple[int, ...]:
+    _, size = _tp_rank_and_size(name, param)
     shape = list(param.shape)
     if size > 1:
         shape[param.partition_dim] *= size
     return tuple(shape)
 
 
-def _global_flat_index(param: torch.Tensor) -> torch.Tensor:
+def _global_flat_index(name: str, param: torch.Tensor) -> torch.Tensor:
     """The index of each local element in the flattened global tensor (local shape, int64).
 
     Megatron splits the partition dim into ``size * stride`` blocks and gives rank ``r`` blocks
     ``r, r + size, ...`` (``_initialize_affine_weight_cpu``).
     """
-    rank, size = _tp_rank_and_size(param)
-    global_shape = _global_shape(param)
+    rank, size = _tp_rank_and_size(name, param)
+    global_shape = _global_shape(name, param)
     strides = torch.empty(global_shape, device="meta").stride()
     index = torch.zeros(param.shape, dtype=torch.int64)
     for dim, length in enumerate(param.shape):
@@ -150,7 +151,7 @@ def fill_deterministic_(
             or sharded) are refreshed from the new model values; otherwise call it yourself.
     """
     for name, param in named_global_parameters(model_chunks):
-        values = _integer_values(name, seed, _global_flat_index(param))
+        values = _integer_values(name, seed, _global_flat_index(name, param))
         param.copy_(values.to(torch.float64) * 2.0**_SCALE_LOG2)  # exact in bf16 and fp32
     if optimizer is not None:
         optimizer.reload_model_params()
@@ -164,7 +165,7 @@ def global_param_shapes(
     A collective over the world (``all_gather_object``); without ``torch.distributed`` it sees
     this process only. ``trainable_only`` drops params with ``requires_grad=False``.
     """
-    local = {name: (_global_shape(p), p.requires_grad)
+    local = {name: (_global_shape(name, p), p.requires_grad)
              for name, p in named_global_parameters(model_chunks)}
     gathered: list[Any] = [local]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
