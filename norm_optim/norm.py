@@ -85,6 +85,9 @@ class NormReducer:
             num_slots=2,
             out_device=self.device,
         )
+        # One dry run now, so that the kernels' first-call costs (lazy imports, the allocator
+        # growing for the scratch buffers) land at wrap time, not in the first logged norm.
+        self._split_plan()
         self._per_param_plan: Optional[SumOfSquaresPlan] = None
         self.names = names
         self._labels: list[str] = []
@@ -129,7 +132,9 @@ class NormReducer:
                 num_slots=EXPERT + 1 + len(self.names),
                 out_device=self.device,
             )
-            self._kinds = torch.tensor(
-                [EXPERT if expert else DENSE for _, expert in self.names], device=self.device
+            self._kinds = torch.tensor(  # long even when empty (a model with no params)
+                [EXPERT if expert else DENSE for _, expert in self.names],
+                dtype=torch.long,
+                device=self.device,
             )
         return self._per_param_plan, self._kinds

@@ -229,7 +229,7 @@ def build_optimizer(
 
 def _loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.clone().detach()}  # the schedule divides `loss` in place
 
 
 def _forward_step(
