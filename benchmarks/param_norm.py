@@ -716,6 +716,18 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+def library_fingerprint() -> str:
+    """sha1 of norm_optim's sources as imported here: which library code a result belongs to."""
+    import hashlib
+
+    import norm_optim
+
+    digest = hashlib.sha1()
+    for path in sorted(Path(norm_optim.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def environment() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -815,6 +827,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for path in plot(rows, args.plot_dir or Path(".")):
             print(f"# wrote {path}")
         return 0
+    sources = library_fingerprint()  # now: the files may change while the run goes on
     opts = Options(args.device, args.calls, args.warmup, args.threads)
     cases = select_cases(args.quick, args.cases, args.worlds)
     start = time.perf_counter()
@@ -828,7 +841,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         rows = run_forked(cases, opts, args.timeout)
     wall = time.perf_counter() - start
-    env = {**environment(), "wall_s": round(wall, 1), "argv": sys.argv[1:]}
+    env = {**environment(), "norm_optim_sources_sha1": sources, "wall_s": round(wall, 1),
+           "argv": sys.argv[1:]}
     print(format_table(rows))
     print()
     for line in check_targets(rows):
