@@ -45,6 +45,8 @@ class Layout:
     ddp_instances: int | None = None  # None: as ``instances`` (what Megatron-LM configures)
     freeze: tuple[str, ...] = ()
     fp32_params: tuple[str, ...] = ()
+    # Read the coordinates from an explicit ProcessGroupCollection, not the global state.
+    pg_collection: bool = False
 
     def parallel(self) -> dict[str, Any]:
         return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
@@ -80,6 +82,7 @@ LAYOUTS = {
     "dp4-2instances-ddp1": Layout(4, instances=2, ddp_instances=1),
     "tp2-frozen": Layout(4, tp=2, freeze=("decoder.layers.0.*", "embedding.*")),
     "ep2-fp32-mixed": Layout(2, MOE, ep=2, fp32_params=("*layernorm*", "*router*")),
+    "tp2-ep2-pg-collection": Layout(4, MOE, tp=2, ep=2, etp=1, pg_collection=True),
 }
 CASES = [
     pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}")
@@ -126,7 +129,12 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
             Counting.all_reduces += 1
             return super().all_reduce_sum(tensor, group, async_op)
 
-    optimizer = NormAwareOptimizer(inner, model=chunks, comm=Counting())
+    pg_collection = None
+    if layout.pg_collection:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    optimizer = NormAwareOptimizer(inner, model=chunks, comm=Counting(), pg_collection=pg_collection)
     norms = optimizer.param_l2_norms(per_param=True)  # first call also gathers names once
     Counting.all_reduces = 0
     total = float(optimizer.param_l2_norm())
