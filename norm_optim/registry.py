@@ -53,6 +53,16 @@ class ParamRecord:
         """Elements this rank sums for the param (0 when it does not count it)."""
         return self.tensor.numel() if self.counted and self.tensor is not None else 0
 
+    def __repr__(self) -> str:
+        held = "none" if self.tensor is None else (
+            f"{self.tensor.dtype} {tuple(self.tensor.shape)} of {tuple(self.param.shape)}"
+        )
+        return (
+            f"ParamRecord({self.name!r}, {self.source}, {held}, "
+            f"{'expert' if self.expert else 'dense'}, "
+            f"{'counted' if self.counted else 'not counted: ' + str(self.reason)})"
+        )
+
 
 class ParamRegistry:
     """Every model param of one optimizer (and model), and what this rank counts of each.
