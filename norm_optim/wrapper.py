@@ -22,7 +22,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _OWN_ATTRIBUTES = frozenset(
     {"_optimizer", "_model", "_count_frozen", "_pg_collection", "_group", "_comm", "_coords",
-     "_reducer", "_fingerprint", "_stale"}
+     "_reducer", "_fingerprint", "_stale", "_names"}
 )
 
 
@@ -34,7 +34,7 @@ def _replaces_tensors(method: _F) -> _F:
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._stale = True
+            self._drop_reducer()
 
     return wrapper  # type: ignore[return-value]
 
@@ -86,6 +86,7 @@ class NormAwareOptimizer:
         self._reducer: Optional[NormReducer] = None
         self._fingerprint: tuple = ()
         self._stale = True
+        self._names: Optional[list[tuple[str, bool]]] = None
         self._current_reducer()  # build now: bad input fails at wrap time, not at log time
 
     # ---------------------------------------------------------------- the norm
@@ -131,6 +132,17 @@ class NormAwareOptimizer:
         self._stale = True
         self._current_reducer()
 
+    def _drop_reducer(self) -> None:
+        """Forget the registry: the optimizer may have replaced (or freed) its tensors.
+
+        The reducer's plan holds views of the old tensors; dropping it at once lets memory that
+        ``offload_to_cpu`` moved away actually be freed. The gathered per-param names stay valid.
+        """
+        if self._reducer is not None:
+            self._names = self._reducer.names
+        self._reducer = None
+        self._stale = True
+
     def _current_reducer(self) -> NormReducer:
         # O(param groups) check: rebuild only when the optimizer replaced its tensors.
         current = fingerprint(self._optimizer)
@@ -138,7 +150,7 @@ class NormAwareOptimizer:
             registry = ParamRegistry(
                 self._optimizer, self._model, coords=self._coords, count_frozen=self._count_frozen
             )
-            names = self._reducer.names if self._reducer is not None else None
+            names = self._reducer.names if self._reducer is not None else self._names
             self._reducer = NormReducer(registry, self._comm, self._group, names)
             self._fingerprint = current
             self._stale = False
@@ -185,7 +197,7 @@ class NormAwareOptimizer:
     @param_groups.setter
     def param_groups(self, value: Any) -> None:
         self._optimizer.param_groups = value
-        self._stale = True
+        self._drop_reducer()
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:
