@@ -1,0 +1,190 @@
+"""A CPU stand-in for Transformer Engine's ``FusedAdam`` in precision-aware mode (tests only).
+
+Transformer Engine cannot run on these CPU machines, so the precision-aware optimizer
+(``OptimizerConfig(use_precision_aware_optimizer=True)``) cannot be built with the real FusedAdam.
+:class:`PrecisionAwareAdamStandIn` reproduces the *state layout* that megatron-core's
+``DistributedOptimizer`` and norm_optim rely on, not TE's kernels:
+
+- the optimizer's params are the bf16 shards of the model params (views of the model weights);
+  gradients arrive in ``param.decoupled_grad`` (fp32);
+- the fp32 master weights live in ``state[param]["master_param"]`` (created by the first step or
+  ``initialize_state``); with ``store_param_remainders=True`` a bf16 param's master is instead the
+  int16 low half of its fp32 bits, the bf16 param being the round-to-nearest high half, as TE's
+  ``adam_functor_master_param_remainder`` stores it (a negative remainder means the high half was
+  rounded up by one ulp);
+- ``get_unscaled_state`` / ``set_scaled_state`` read and write fp32 views of that state;
+- the update is AdamW in fp32 on the master, then the master is written back to the bf16 param.
+
+:func:`use_precision_aware_standin` plugs it into megatron-core where TE's FusedAdam would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 -> (bf16 high half rounded to nearest, int16 remainder), TE's remainder encoding."""
+    bits = master.view(torch.int32)
+    high = (bits >> 16).to(torch.int16)
+    low = (bits & 0xFFFF).to(torch.int32)
+    remainder = torch.where(low >= 0x8000, low - 0x10000, low).to(torch.int16)
+    high = high + (remainder < 0).to(torch.int16)  # round up when the low half is >= half an ulp
+    return high.view(torch.bfloat16), remainder
+
+
+def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """(bf16 param, int16 remainder) -> the exact fp32 master (inverse of :func:`split_master`)."""
+    high = param.view(torch.int16).to(torch.int32) - (remainder < 0).to(torch.int32)
+    bits = (high << 16) | (remainder.to(torch.int32) & 0xFFFF)
+    return bits.view(torch.float32)
+
+
+class PrecisionAwareAdamStandIn(torch.optim.AdamW):
+    """Reproduces TE FusedAdam's precision-aware state layout on CPU (see the module docstring).
+
+    Subclasses ``torch.optim.AdamW`` only so that megatron's ``DistributedOptimizer`` accepts it
+    (it checks ``isinstance(optimizer, (Adam, AdamW, HybridDeviceOptimizer))``); the update is
+    its own.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adam_w_mode: bool = True,
+        master_weights: bool = False,
+        use_decoupled_grad: bool = False,
+        master_weight_dtype: torch.dtype = torch.float32,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.master_weights = master_weights
+        self.use_decoupled_grad = use_decoupled_grad
+        self.master_weight_dtype = master_weight_dtype
+        self.store_param_remainders = store_param_remainders and master_weights
+
+    def _remainders(self, param: torch.Tensor) -> bool:
+        return self.store_param_remainders and param.dtype == torch.bfloat16
+
+    def initialize_state(self, param: torch.Tensor) -> None:
+        state = self.state[param]
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32)
+        if self.master_weights and param.dtype != torch.float32:
+            if self._remainders(param):
+                state["master_param"] = torch.zeros(param.shape, dtype=torch.int16)
+            else:
+                state["master_param"] = param.detach().clone().to(self.master_weight_dtype)
+
+    def get_unscaled_state(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        value = self.state[param][name]
+        if name == "master_param" and self._remainders(param):
+            return join_master(param.detach(), value)
+        return value.float()
+
+    def set_scaled_state(self, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        if name not in self.state[param]:
+            self.initialize_state(param)
+        if name == "master_param" and self._remainders(param):
+            high, remainder = split_master(value.float().contiguous())
+            param.data.copy_(high)
+            self.state[param][name].copy_(remainder)
+        else:
+            self.state[param][name].copy_(value)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As TE does: torch's load casts state to the param dtype (bf16), so the fp32 values are
+        taken from the dict and written into freshly created state tensors."""
+        saved = {
+            index: {k: v.detach().clone() for k, v in values.items() if torch.is_tensor(v)}
+            for index, values in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in saved.items():
+            param = params[index]
+            self.state[param] = {}
+            self.initialize_state(param)
+            for name, value in values.items():
+                if name == "step":
+                    self.state[param]["step"] = value
+                else:
+                    self.set_scaled_state(param, name, value)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                grad = param.decoupled_grad if self.use_decoupled_grad else param.grad
+                if grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    self.initialize_state(param)
+                state["step"] += 1
+                step = float(state["step"])
+                has_master = "master_param" in state
+                master = self.get_unscaled_state(param, "master_param") if has_master else param
+                grad = grad.float()
+                master.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                master.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+                if has_master and self._remainders(param):
+                    self.set_scaled_state(param, "master_param", master)
+                elif has_master:
+                    param.data.copy_(master)  # bf16 round to nearest, as TE writes the param
+
+
+@contextlib.contextmanager
+def use_precision_aware_standin() -> Iterator[None]:
+    """Make megatron-core build :class:`PrecisionAwareAdamStandIn` where it would build TE's
+    FusedAdam (for ``use_precision_aware_optimizer=True``), in this process only."""
+    import megatron.core.optimizer as mo
+    import megatron.core.optimizer.distrib_optimizer as do
+
+    patches = pytest_monkeypatch()
+    patches.setattr(mo, "Adam", PrecisionAwareAdamStandIn)
+    patches.setattr(mo, "USING_PYTORCH_OPTIMIZER", False)
+    patches.setattr(mo, "is_te_min_version", lambda *args, **kwargs: True)
+    patches.setattr(do, "Adam", PrecisionAwareAdamStandIn)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+def precision_aware_config(**fields: Any) -> Any:
+    """An ``OptimizerConfig`` with the precision-aware optimizer on, without importing TE.
+
+    ``OptimizerConfig.__post_init__`` imports TE's FusedAdam to check its signature; the config is
+    therefore built with the flag off and switched on afterwards, exactly as ``__post_init__``
+    would have set the derived flag.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    remainders = fields.pop("store_param_remainders", False)
+    config = OptimizerConfig(use_precision_aware_optimizer=False, **fields)
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    config.store_param_remainders = remainders
+    return config
+
+
+def pytest_monkeypatch() -> Any:
+    import pytest
+
+    return pytest.MonkeyPatch()
