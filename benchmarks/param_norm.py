@@ -99,23 +99,23 @@ def _moe(hidden: int, layers: int, experts: int, ffn: int) -> TinyGPTConfig:
                          vocab_size=1024, seq_length=16)
 
 
-# (name, model, worlds of the full run, worlds of --quick)
-_MODELS: tuple[tuple[str, TinyGPTConfig, tuple[int, ...], tuple[int, ...]], ...] = (
-    ("dense-s", _dense(128, 8, 1024), (1, 4), (1, 4)),  # ~1.7e6 elements, ~100 tensors
-    ("dense-m", _dense(512, 8, 4096), (1, 4), (1,)),  # ~2.7e7
-    ("dense-l", _dense(1024, 8, 8192), (1, 4), ()),  # ~1.1e8
-    ("dense-xl", _dense(2048, 6, 8192), (1,), ()),  # ~3.2e8
-    ("moe-s", _moe(64, 2, 16, 128), (1, 4), (1,)),  # ~100 tensors
-    ("moe-m", _moe(64, 4, 128, 64), (1, 4), (4,)),  # ~1,000 tensors
-    ("moe-l", _moe(64, 4, 640, 64), (1, 4), (1,)),  # ~5,100 tensors, 2.1e7 elements
-    ("moe-xl", _moe(256, 4, 640, 256), (1,), ()),  # ~5,100 tensors, 3.4e8 elements
+# (name, model, worlds of the full run, worlds of --quick, sweep it is plotted in)
+_MODELS: tuple[tuple[str, TinyGPTConfig, tuple[int, ...], tuple[int, ...], str], ...] = (
+    ("dense-s", _dense(128, 8, 1024), (1, 4), (1, 4), "elements"),  # 1.7e6 elements, 100 tensors
+    ("dense-m", _dense(512, 8, 4096), (1, 4), (1,), "elements"),  # 2.7e7
+    ("dense-l", _dense(1024, 8, 8192), (1, 4), (), "elements"),  # 1.1e8
+    ("dense-xl", _dense(2048, 6, 8192), (1,), (), "elements"),  # 3.2e8
+    ("moe-s", _moe(64, 2, 16, 128), (1, 4), (1,), "tensors"),  # 82 tensors
+    ("moe-m", _moe(64, 4, 128, 64), (1, 4), (4,), "tensors"),  # 1,056 tensors
+    ("moe-l", _moe(64, 4, 640, 64), (1, 4), (1,), "tensors"),  # 5,152 tensors, 2.1e7 elements
+    ("moe-xl", _moe(256, 4, 640, 256), (1,), (), "table only"),  # 5,152 tensors, 3.4e8 elements
 )
 
 
 def select_cases(quick: bool, names: Sequence[str], worlds: Sequence[int]) -> list[Case]:
     """The cases to run, in a stable order (world 1 first: it warms nothing for world 4)."""
     cases = [Case(name, model, world)
-             for name, model, full, fast in _MODELS
+             for name, model, full, fast, _ in _MODELS
              for world in (fast if quick else full)
              if (not names or name in names) and (not worlds or world in worlds)]
     return sorted(cases, key=lambda c: c.world)
@@ -766,24 +766,27 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         print("# matplotlib is not installed (pip install matplotlib): no plots", file=sys.stderr)
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
-    panels = (("dense", "numel", "elements (dense models)"),
-              ("moe", "tensors", "tensors (MoE models, many small experts)"))
+    sweeps = {name: sweep for name, *_, sweep in _MODELS}
+    panels = (("elements", "numel", "elements (dense models, ~100 tensors)"),
+              ("tensors", "tensors", "tensors (MoE models, 4k-element experts)"))
     written = []
     for metric, label, file in (("median_s", "median seconds per call", "param_norm_time.png"),
                                 ("extra_peak_bytes", "extra peak bytes per call (0 shown at 1 KiB)",
                                  "param_norm_memory.png")):
         fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=80)
-        for ax, (kind, x_key, x_label) in zip(axes, panels):
+        for ax, (sweep, x_key, x_label) in zip(axes, panels):
             for method, (color, marker) in _STYLE.items():
                 for world, line in ((1, "-"), (4, ":")):
                     points = sorted((r[x_key], max(r[metric] or 0, 1024 if metric != "median_s"
                                                    else 1e-6))
-                                    for r in rows if r["kind"] == kind and r["world"] == world
-                                    and r["method"] == method)
+                                    for r in rows if sweeps.get(r["case"]) == sweep
+                                    and r["world"] == world and r["method"] == method)
                     if points:
                         xs, ys = zip(*points)
                         ax.plot(xs, ys, line, color=color, marker=marker,
                                 label=f"{method} (world {world})")
+            if metric == "extra_peak_bytes":
+                ax.axhline(TARGET_PEAK_BYTES, color="grey", linestyle="--", linewidth=0.8)
             ax.set(xscale="log", yscale="log", xlabel=x_label, ylabel=label)
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.grid(True, which="both", alpha=0.3)
