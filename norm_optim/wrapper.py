@@ -22,7 +22,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _OWN_ATTRIBUTES = frozenset(
     {"_optimizer", "_model", "_count_frozen", "_pg_collection", "_group", "_comm", "_coords",
-     "_reducer", "_fingerprint", "_stale", "_names"}
+     "_reducer", "_fingerprint", "_names"}
 )
 
 
@@ -85,7 +85,6 @@ class NormAwareOptimizer:
         )
         self._reducer: Optional[NormReducer] = None
         self._fingerprint: tuple = ()
-        self._stale = True
         self._names: Optional[list[tuple[str, bool]]] = None
         self._current_reducer()  # build now: bad input fails at wrap time, not at log time
 
@@ -129,7 +128,7 @@ class NormAwareOptimizer:
 
     def refresh(self) -> None:
         """Rebuild the registry now (after replacing optimizer tensors behind our back)."""
-        self._stale = True
+        self._drop_reducer()
         self._current_reducer()
 
     def _drop_reducer(self) -> None:
@@ -141,19 +140,17 @@ class NormAwareOptimizer:
         if self._reducer is not None:
             self._names = self._reducer.names
         self._reducer = None
-        self._stale = True
 
     def _current_reducer(self) -> NormReducer:
         # O(param groups) check: rebuild only when the optimizer replaced its tensors.
         current = fingerprint(self._optimizer)
-        if self._stale or self._reducer is None or current != self._fingerprint:
+        if self._reducer is None or current != self._fingerprint:
             registry = ParamRegistry(
                 self._optimizer, self._model, coords=self._coords, count_frozen=self._count_frozen
             )
-            names = self._reducer.names if self._reducer is not None else self._names
-            self._reducer = NormReducer(registry, self._comm, self._group, names)
+            self._drop_reducer()  # keeps the gathered per-param names
+            self._reducer = NormReducer(registry, self._comm, self._group, self._names)
             self._fingerprint = current
-            self._stale = False
         return self._reducer
 
     # ---------------------------------------------------------------- delegation
