@@ -15,6 +15,12 @@ so their cost is a few ops per 512 KiB block instead of ~2 us per tensor. On CUD
 tree-shaped and accurate, so whole tensors go to one fused multi-tensor kernel (apex, Transformer
 Engine, or ``torch._foreach_norm``).
 
+Transformer Engine's precision-aware Adam may keep an fp32 master as the bf16 param plus an int16
+remainder (:class:`RemainderMaster`). No kernel reads that pair, and decoding whole tensors would
+be the fp32 copy this module exists to avoid, so such masters are decoded into the same bounded
+scratch blocks that small tensors are packed into, and reduced through the same row norms, on
+every device.
+
 Measured on the development machine (2 cores, torch 2.13.0+cpu; fp32 tensors holding bf16 values;
 max relative error per slot vs float64, one slot per tensor; times are the best of 5 calls, taken
 while the load was low: other jobs shared the 2 cores, so later runs under load 4-17 came out
@@ -38,14 +44,16 @@ this plan (_PACK_BELOW=2^14)   101 ms / 6.9e-8      = rows of 256      = rows of
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["SumOfSquaresPlan"]
+__all__ = ["RemainderMaster", "SumOfSquaresPlan", "Summand"]
 
 # Row length of the 2-D views reduced with ``vector_norm(dim=1)`` on CPU. Each row accumulates this
 # many terms in fp32, so shorter rows are more accurate; measured on bf16-valued fp32 data: rows of
@@ -79,6 +87,88 @@ _CUDA_MAX_PIECE = 1 << 30
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
+# Which int16 half of an int32 holds its high 16 bits (CPUs and GPUs in use are little-endian).
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0
+
+
+@dataclass(frozen=True)
+class RemainderMaster:
+    """An fp32 master tensor kept as Transformer Engine keeps it with ``store_param_remainders``.
+
+    TE's FusedAdam (megatron's precision-aware optimizer, TE >= 2.1) saves 2 bytes per element by
+    storing only the low 16 bits of each fp32 master in its state; the high 16 bits, rounded to
+    nearest (plus one when the low half's top bit is set), *are* the bf16 param. This object pairs
+    the two views and decodes the exact fp32 values on demand, a bounded block at a time; it owns no
+    storage and copies nothing, so in-place updates of either tensor are seen. Its ``dtype`` is the
+    logical one, fp32; its storage is that of the two tensors (the optimizer's remainder state
+    and the model's bf16 shard), which is where staleness is tracked.
+
+    Attributes:
+        param: bf16, contiguous: the rounded high halves (the model param or its shard).
+        remainder: int16, contiguous, same shape and device: the low halves.
+    """
+
+    param: Tensor
+    remainder: Tensor
+    dtype: ClassVar[torch.dtype] = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.param.dtype != torch.bfloat16 or self.remainder.dtype != torch.int16:
+            raise TypeError(
+                f"a RemainderMaster pairs a bfloat16 param with an int16 remainder, got "
+                f"{self.param.dtype} and {self.remainder.dtype}"
+            )
+        if self.param.shape != self.remainder.shape or self.param.device != self.remainder.device:
+            raise ValueError(
+                f"param and remainder must match: {tuple(self.param.shape)} on {self.param.device} "
+                f"vs {tuple(self.remainder.shape)} on {self.remainder.device}"
+            )
+        if not (self.param.is_contiguous() and self.remainder.is_contiguous()):
+            raise ValueError("param and remainder must be contiguous (as TE's kernels need them)")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.param.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.param.device
+
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def element_size(self) -> int:
+        """Bytes read per element: 2 of param, 2 of remainder."""
+        return 4
+
+    def flat_slice(self, start: int, end: int) -> "RemainderMaster":
+        """Elements ``[start, end)`` of the flattened master, as views of the same storage."""
+        return RemainderMaster(self.param.view(-1)[start:end], self.remainder.view(-1)[start:end])
+
+    def decode_into(self, out: Tensor) -> Tensor:
+        """Write the exact fp32 master values into ``out`` (contiguous fp32, ``numel()`` elements).
+
+        TE's decoding is ``bits = ((param_bits - (remainder < 0)) << 16) | (remainder & 0xFFFF)``.
+        Copying the remainders into ``out``'s int32 view sign-extends them: the low halves become
+        the remainders and the high halves ``-(remainder < 0)``; adding the param bits to the
+        high halves (int16, wrapping as TE's does) completes it. Two ops, no temporaries (a
+        mixed int16/int32 op would allocate a converted copy on CPU).
+        """
+        bits = out.view(torch.int32).view(-1)
+        bits.copy_(self.remainder.view(-1))
+        bits.view(torch.int16)[_HIGH_HALF::2].add_(self.param.view(-1).view(torch.int16))
+        return out
+
+
+Summand = Union[Tensor, RemainderMaster]
+"""What a :class:`SumOfSquaresPlan` sums: a floating-point tensor or a :class:`RemainderMaster`."""
+
+
+def _flat_slice(t: Summand, start: int, end: int) -> Summand:
+    if isinstance(t, RemainderMaster):
+        return t.flat_slice(start, end)
+    return t.view(-1)[start:end]
+
 
 def _split_bounded(t: Tensor, max_numel: int) -> list[Tensor]:
     """Split ``t`` (any strides) into views of at most ``max_numel`` elements, along leading dims.
@@ -99,8 +189,26 @@ def _split_bounded(t: Tensor, max_numel: int) -> list[Tensor]:
 class _PackedBlock:
     """Views copied back to back, each padded with zeros to whole rows, into the scratch buffer."""
 
-    pieces: tuple[Tensor, ...]
+    pieces: tuple[Summand, ...]
     numel: int  # a multiple of _ROW, at most _BLOCK_NUMEL
+    decodes: bool  # whether a piece is a RemainderMaster (else one ``torch.cat`` fills the block)
+
+    def fill(self, scratch: Tensor) -> Tensor:
+        """Copy (bf16/fp16: cast; remainder masters: decode) the pieces into ``scratch``.
+
+        Returns:
+            The filled part of ``scratch`` as a ``(rows, _ROW)`` view.
+        """
+        packed = scratch[: self.numel]
+        if not self.decodes:
+            torch.cat(self.pieces, out=packed)  # type: ignore[arg-type]  # one op for the block
+        else:
+            for piece, out in zip(self.pieces, packed.split([p.numel() for p in self.pieces])):
+                if isinstance(piece, RemainderMaster):
+                    piece.decode_into(out)
+                else:
+                    out.copy_(piece)
+        return packed.view(-1, _ROW)
 
 
 @dataclass(frozen=True)
@@ -131,7 +239,7 @@ class _FlushBuilder:
         self._items: list[Tensor | _PackedBlock] = []
         self._item_rows: list[int] = []
         self._runs: list[list[int]] = []  # [slot, rows]
-        self._pieces: list[Tensor] = []  # block being packed
+        self._pieces: list[Summand] = []  # block being packed
         self._fill = 0
 
     def _add_rows(self, slot: int, rows: int) -> None:
@@ -152,14 +260,15 @@ class _FlushBuilder:
         self._add_item(rows_view, rows_view.shape[0])
         self._add_rows(slot, rows_view.shape[0])
 
-    def add_packed(self, flat: Tensor, slot: int) -> None:
-        """Append a 1-D contiguous view (any floating dtype) to be packed into the scratch buffer."""
+    def add_packed(self, flat: Summand, slot: int) -> None:
+        """Append a 1-D contiguous view (any floating dtype) or a remainder master, to be packed
+        (cast, decoded) into the scratch buffer."""
         offset, n = 0, flat.numel()
         while offset < n:
             if not self._pieces and sum(self._item_rows) + _BLOCK_NUMEL // _ROW > _FLUSH_ROWS:
                 self._close_flush()  # a new block must fit, whole, in the current flush
             take = min(n - offset, _BLOCK_NUMEL - self._fill)
-            self._pieces.append(flat[offset : offset + take])
+            self._pieces.append(_flat_slice(flat, offset, offset + take))
             offset += take
             start_rows = self._fill // _ROW
             self._fill += take
@@ -176,7 +285,8 @@ class _FlushBuilder:
         if self._pieces:
             # The runs of this block were already recorded; its item must land in the same flush.
             rows = self._fill // _ROW
-            self._items.append(_PackedBlock(tuple(self._pieces), self._fill))
+            decodes = any(isinstance(p, RemainderMaster) for p in self._pieces)
+            self._items.append(_PackedBlock(tuple(self._pieces), self._fill, decodes))
             self._item_rows.append(rows)
             self._pieces, self._fill = [], 0
             if sum(self._item_rows) == _FLUSH_ROWS:
@@ -196,13 +306,16 @@ class _FlushBuilder:
         return self.flushes
 
 
-class _CpuRowNormGroup:
-    """CPU tensors of one floating dtype, reduced through fp32 row norms (see module docstring).
+class _RowNormGroup:
+    """Tensors of one floating dtype reduced through fp32 row norms (see the module docstring).
+
+    Used for CPU tensors (fp32, bf16, fp16) and, on every device, for remainder masters:
 
     * contiguous fp32 tensors of ``_PACK_BELOW`` elements or more: in place, as ``(rows, _ROW)``
       views; the leftover (< ``_ROW`` elements) is packed;
-    * other contiguous tensors (small fp32, any bf16/fp16): packed into the scratch buffer, which
-      also casts bf16/fp16 to fp32 one bounded block at a time;
+    * other contiguous tensors (small fp32, any bf16/fp16) and remainder masters: packed into the
+      scratch buffer, which also casts bf16/fp16 and decodes remainder masters to fp32 one bounded
+      block at a time;
     * non-contiguous tensors (rare): bounded pieces, one ``_foreach_norm`` in float64 (the upcast
       copy is per piece, so bounded).
 
@@ -210,14 +323,17 @@ class _CpuRowNormGroup:
     added to the slots in float64 with one ``index_add_``.
     """
 
-    backend = "cpu row norms"
-
-    def __init__(self, tensors: Sequence[Tensor], slots: Sequence[int], device: torch.device) -> None:
+    def __init__(self, tensors: Sequence[Summand], slots: Sequence[int], device: torch.device) -> None:
         self._device = device
+        decodes = any(isinstance(t, RemainderMaster) for t in tensors)
+        self.backend = f"{device.type} row norms" + (" of decoded remainders" if decodes else "")
         self._strided: list[Tensor] = []
         strided_slots: list[int] = []
         builder = _FlushBuilder(device)
         for t, slot in zip(tensors, slots):
+            if isinstance(t, RemainderMaster):
+                builder.add_packed(t, slot)
+                continue
             if not t.is_contiguous():
                 pieces = _split_bounded(t, _BLOCK_NUMEL)
                 self._strided.extend(pieces)
@@ -254,9 +370,7 @@ class _CpuRowNormGroup:
                 row_norms = row_buffer[:num_rows]
                 for item, out in zip(flush.items, row_norms.split(flush.item_rows)):
                     if isinstance(item, _PackedBlock):
-                        packed = scratch[: item.numel]
-                        torch.cat(item.pieces, out=packed)  # also casts bf16/fp16 pieces to fp32
-                        item = packed.view(-1, _ROW)
+                        item = item.fill(scratch)
                     torch.linalg.vector_norm(item, dim=1, out=out)
                 # Per-run sums of squares in float64 (a run: consecutive rows of one slot), then
                 # one scatter of the few run sums; cheaper than a per-row slot index.
@@ -353,23 +467,36 @@ class _FusedGroup:
         acc.index_add_(0, self._slots, norms.double().square_())
 
 
-def _default_out_device(tensors: Sequence[Tensor]) -> torch.device:
+def _default_out_device(tensors: Sequence[Summand]) -> torch.device:
     for t in tensors:
         if t.device.type != "cpu":
             return t.device
     return torch.device("cpu")
 
 
+_GroupKey = tuple[torch.device, torch.dtype, Union[type[_RowNormGroup], type[_FusedGroup]]]
+
+
+def _group_key(t: Summand) -> _GroupKey:
+    """(device, dtype, group type): CUDA tree reductions are accurate on whole tensors, and CPU
+    float64 accumulates in float64 already (fused); CPU fp32/bf16/fp16 need row norms, and
+    remainder masters must be decoded block by block anywhere (row norms)."""
+    row_norms = isinstance(t, RemainderMaster) or (t.device.type == "cpu" and t.dtype != torch.float64)
+    return t.device, t.dtype, _RowNormGroup if row_norms else _FusedGroup
+
+
 class SumOfSquaresPlan:
     """Per-slot float64 sums of squares of a fixed list of tensors, built once and called often.
 
     Tensors are grouped once by (device, dtype); each call runs one fused reduction per group (on
-    CPU: a few ops per 512 KiB block, see the module docstring) and moves each group's partial
-    result to ``out_device``. Views share storage with the given tensors: nothing is copied at
-    construction and each call's temporaries are bounded (``scratch_bytes``), whatever the sizes.
+    CPU, and for remainder masters everywhere: a few ops per 512 KiB block, see the module
+    docstring) and moves each group's partial result to ``out_device``. Views share storage with
+    the given tensors: nothing is copied at construction and each call's temporaries are bounded
+    (``scratch_bytes``), whatever the sizes.
 
     Args:
-        tensors: floating-point tensors (fp32, bf16, fp16, fp64), on any mix of devices. Zero-size
+        tensors: floating-point tensors (fp32, bf16, fp16, fp64) or :class:`RemainderMaster`
+            pairs (summed as the fp32 masters they encode), on any mix of devices. Zero-size
             tensors are allowed and contribute nothing. The plan holds views of them: if a tensor is
             later replaced (not updated in place), build a new plan.
         slots: ``slots[i]`` is the output slot tensor ``i`` adds into; several tensors may share one.
@@ -385,7 +512,7 @@ class SumOfSquaresPlan:
 
     def __init__(
         self,
-        tensors: Sequence[Tensor],
+        tensors: Sequence[Summand],
         slots: Sequence[int],
         num_slots: int,
         out_device: torch.device | None = None,
@@ -396,7 +523,7 @@ class SumOfSquaresPlan:
         for i, (t, slot) in enumerate(zip(tensors, slots)):
             if not (0 <= slot < num_slots):
                 raise ValueError(f"slots[{i}] = {slot} is outside [0, num_slots={num_slots})")
-            if not t.is_floating_point():
+            if not (isinstance(t, RemainderMaster) or t.is_floating_point()):
                 raise TypeError(f"tensors[{i}] has dtype {t.dtype}; only floating-point tensors have norms here")
         self.num_slots = num_slots
         self.out_device = torch.device(out_device) if out_device is not None else _default_out_device(tensors)
@@ -404,20 +531,16 @@ class SumOfSquaresPlan:
         self._numel = sum(t.numel() for t in tensors)
         self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
-        buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = defaultdict(
-            lambda: ([], [])
-        )
+        buckets: dict[_GroupKey, tuple[list[Summand], list[int]]] = defaultdict(lambda: ([], []))
         for t, slot in zip(tensors, slots):
             if t.numel():  # zero-size tensors add nothing; some fused kernels reject them
-                bucket = buckets[(t.device, t.dtype)]
-                bucket[0].append(t.detach())
+                bucket = buckets[_group_key(t)]
+                bucket[0].append(t if isinstance(t, RemainderMaster) else t.detach())
                 bucket[1].append(slot)
-        self._groups: dict[tuple[torch.device, torch.dtype], _CpuRowNormGroup | _FusedGroup] = {}
-        for (device, dtype), (group_tensors, group_slots) in buckets.items():
-            if device.type == "cpu" and dtype != torch.float64:
-                self._groups[(device, dtype)] = _CpuRowNormGroup(group_tensors, group_slots, device)
-            else:  # CUDA (tree reductions) or CPU float64 (accumulates in float64 already)
-                self._groups[(device, dtype)] = _FusedGroup(group_tensors, group_slots, device)
+        self._groups: dict[_GroupKey, _RowNormGroup | _FusedGroup] = {
+            key: key[2](group_tensors, group_slots, key[0])
+            for key, (group_tensors, group_slots) in buckets.items()
+        }
 
     @property
     def num_tensors(self) -> int:
@@ -433,8 +556,16 @@ class SumOfSquaresPlan:
 
     @property
     def backends(self) -> dict[tuple[torch.device, torch.dtype], str]:
-        """Which reduction each (device, dtype) group uses, for reporting."""
-        return {key: group.backend for key, group in self._groups.items()}
+        """Which reduction each (device, dtype) group uses, for reporting.
+
+        On an accelerator, fp32 tensors and remainder masters are two groups of one key; their
+        names are joined.
+        """
+        names: dict[tuple[torch.device, torch.dtype], str] = {}
+        for (device, dtype, _), group in self._groups.items():
+            previous = names.get((device, dtype))
+            names[(device, dtype)] = f"{previous} + {group.backend}" if previous else group.backend
+        return names
 
     @property
     def scratch_bytes(self) -> int:
@@ -448,7 +579,7 @@ class SumOfSquaresPlan:
         NaN or Inf in a tensor shows up in its slot.
         """
         total = torch.zeros(self.num_slots, dtype=torch.float64, device=self.out_device)
-        for (device, _), group in self._groups.items():
+        for (device, _, _), group in self._groups.items():
             acc = total if device == self.out_device else torch.zeros_like(total, device=device)
             group(acc)
             if acc is not total:

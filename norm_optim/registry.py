@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 
 from .errors import UnknownParamError
+from .kernels import Summand
 from .naming import expert_param_ids
 from .ownership import RankCoords, why_not_counted
 from .sources import Holding, read_holdings
@@ -29,9 +30,13 @@ class ParamRecord:
         name: the param's name in the model (chunk-prefixed when there are several chunks).
         param: the model param.
         tensor: what this rank sums for it: the optimizer's fp32 main param, this rank's fp32
-            shard of it, the fp32 param itself, the param itself when frozen, or None.
+            shard of it, the fp32 param itself, the param itself when frozen, a
+            :class:`~norm_optim.kernels.RemainderMaster` (TE's bf16 + int16 encoding of an fp32
+            master shard: ``dtype``, ``shape`` and ``numel()`` are those of the fp32 master), or
+            None.
         source: how ``tensor`` relates to ``param`` (``main``, ``main-shard``, ``fp32-param``,
-            ``fp32-param-shard``, ``master-param-shard``, ``frozen``, ``no-local-shard``...).
+            ``fp32-param-shard``, ``master-param-shard``, ``master-remainder-shard``, ``frozen``,
+            ``no-local-shard``...).
         expert: whether it is an expert param (reduced with the expert layout).
         sharded: whether ``tensor`` is a part of the param rather than all of it.
         counted: whether this rank adds ``tensor``'s squares to the global norm.
@@ -41,7 +46,7 @@ class ParamRecord:
 
     name: str
     param: torch.nn.Parameter
-    tensor: Optional[torch.Tensor]
+    tensor: Optional[Summand]
     source: str
     expert: bool
     sharded: bool

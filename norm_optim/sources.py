@@ -2,8 +2,10 @@
 
 One small reader per kind. Each yields a :class:`Holding` for every model param the optimizer is
 responsible for: the fp32 tensor this rank holds for it (a full main param, this rank's shard of
-it, the fp32 param itself) or ``None`` when another rank holds it. Readers only say *what* is
-held; whether this rank counts it is decided in :mod:`norm_optim.ownership`.
+it, the fp32 param itself, or a :class:`~norm_optim.kernels.RemainderMaster` when Transformer
+Engine keeps the fp32 master as bf16 param + int16 remainder) or ``None`` when another rank holds
+it. Readers only say *what* is held; whether this rank counts it is decided in
+:mod:`norm_optim.ownership`.
 
 Kinds are recognised by the attributes megatron-core gives them (duck typing), so subclasses and
 newer megatron-core releases keep working; an optimizer we cannot read is an error naming its
@@ -18,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from .errors import UnsupportedOptimizerError
+from .kernels import RemainderMaster, Summand
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
 
@@ -29,7 +32,8 @@ class Holding:
     Attributes:
         param: the model param.
         tensor: the tensor whose squares this rank would sum: fp32 main param, fp32 main shard,
-            the param itself when it is fp32, or None when this rank holds nothing of it.
+            the param itself when it is fp32, a remainder-encoded fp32 master shard, or None when
+            this rank holds nothing of it.
         source: how ``tensor`` relates to the param (for inspection and error messages).
         replicated: True if every rank of the (expert) data-parallel group holds the same whole
             tensor; False if the tensor is a part (or an assignment) that only this rank holds.
@@ -42,7 +46,7 @@ class Holding:
     """
 
     param: torch.nn.Parameter
-    tensor: Optional[torch.Tensor]
+    tensor: Optional[Summand]
     source: str
     replicated: bool
     shard_group: Optional[frozenset[int]] = None
@@ -192,7 +196,7 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             for param, shard in zip(model_group, shards):
                 how = source
                 if shard is None and _is_precision_aware(optimizer):
-                    shard, how = _precision_aware_master(optimizer, param), "master-param-shard"
+                    shard, how = _precision_aware_master(optimizer, param)
                 held.add(id(param))
                 yield Holding(param, shard, how, False, shard_group, name)
     # Params of this optimizer's buffers with no shard on this rank.
@@ -211,33 +215,42 @@ def _global_ranks(group: Any) -> frozenset[int]:
     return frozenset(dist.get_process_group_ranks(group))
 
 
-def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> torch.Tensor:
+def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> tuple[Summand, str]:
     """The fp32 master shard that a precision-aware inner optimizer keeps in its state.
 
     Transformer Engine's FusedAdam keeps it as ``state[shard]["master_param"]``, and so does
     ``HybridDeviceOptimizer`` (CPU offload: its fp32 copy, which its sub-optimizer steps); before
     the first step (no state yet) the master weights still equal the bf16 shard, which is then the
-    exact tensor to sum.
+    exact tensor to sum. With ``store_param_remainders`` (megatron's default on TE >= 2.1) the state
+    of a bf16 shard holds only the master's low 16 bits (int16), the rest being the shard itself:
+    the pair is summed as the exact fp32 values it encodes, with no fp32 copy.
+
+    Returns:
+        The tensor (or remainder pair) and its source name for :class:`Holding`.
     """
     inner = optimizer.optimizer
-    if getattr(inner, "store_param_remainders", False):
-        # Refused at wrap time, not after the first step, when the int16 state appears.
-        raise _remainders_error("int16 remainders (store_param_remainders=True)")
+    # TE's FusedAdam says its master dtype up front: refuse at wrap time, not after the first step.
+    declared = getattr(inner, "master_weight_dtype", torch.float32)
+    if declared != torch.float32:
+        raise _low_precision_error(declared)
     group_index, order = optimizer.model_param_group_index_map[param]
     shard = inner.param_groups[group_index]["params"][order]
     master = inner.state.get(shard, {}).get("master_param")
     if master is None:
-        return shard
+        return shard, "master-param-shard"
     if master.dtype == torch.float32:
-        return master
-    raise _remainders_error(f"{master.dtype} tensors")
+        return master, "master-param-shard"
+    remainders = getattr(inner, "store_param_remainders", False) and shard.dtype == torch.bfloat16
+    if remainders and master.dtype == torch.int16:
+        return RemainderMaster(shard, master), "master-remainder-shard"
+    raise _low_precision_error(master.dtype)
 
 
-def _remainders_error(what: str) -> UnsupportedOptimizerError:
+def _low_precision_error(dtype: torch.dtype) -> UnsupportedOptimizerError:
     return UnsupportedOptimizerError(
-        f"the precision-aware optimizer keeps its master weights as {what}; norm_optim reads only "
-        "fp32 master weights: build the optimizer with OptimizerConfig(store_param_remainders="
-        "False) and main_params_dtype=torch.float32"
+        f"the precision-aware optimizer keeps its master weights as {dtype} tensors; norm_optim "
+        "reads fp32 master weights (or TE's int16 remainders of bf16 params): build the "
+        "optimizer with OptimizerConfig(main_params_dtype=torch.float32)"
     )
 
 

@@ -12,10 +12,12 @@ Transformer Engine cannot run on these CPU machines, so the precision-aware opti
   int16 low half of its fp32 bits, the bf16 param being the round-to-nearest high half, as TE's
   ``adam_functor_master_param_remainder`` stores it (a negative remainder means the high half was
   rounded up by one ulp);
-- ``get_unscaled_state`` / ``set_scaled_state`` read and write fp32 views of that state;
+- ``get_unscaled_state`` / ``set_scaled_state`` read and write fp32 views of that state, and
+  ``state_dict`` holds those fp32 values (not the int16 remainders), as TE's does;
 - the update is AdamW in fp32 on the master, then the master is written back to the bf16 param.
 
-:func:`use_precision_aware_standin` plugs it into megatron-core where TE's FusedAdam would be.
+:func:`use_precision_aware_standin` plugs it into megatron-core where TE's FusedAdam would be;
+:func:`build_precision_aware_optimizer` builds megatron's precision-aware distributed optimizer on it.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ class PrecisionAwareAdamStandIn(torch.optim.AdamW):
         else:
             self.state[param][name].copy_(value)
 
+    def state_dict(self) -> dict:
+        """As TE does: every state tensor unscaled to fp32 (remainders joined with the params)."""
+        state_dict = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in state_dict["state"].items():
+            state_dict["state"][index] = {
+                name: self.get_unscaled_state(params[index], name) for name in values
+            }
+        return state_dict
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As TE does: torch's load casts state to the param dtype (bf16), so the fp32 values are
         taken from the dict and written into freshly created state tensors."""
@@ -182,6 +194,24 @@ def precision_aware_config(**fields: Any) -> Any:
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
     config.store_param_remainders = remainders
     return config
+
+
+def build_precision_aware_optimizer(
+    chunks: list, *, store_param_remainders: bool = False, **fields: Any
+) -> Any:
+    """megatron-core's precision-aware distributed optimizer for ``chunks``, on the stand-in.
+
+    ``fields`` override the ``OptimizerConfig`` defaults used here (adam, lr 1e-2, bf16).
+    """
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = dict(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16,
+                  use_distributed_optimizer=True)
+    config.update(fields)
+    with use_precision_aware_standin():
+        return get_megatron_optimizer(
+            precision_aware_config(store_param_remainders=store_param_remainders, **config), chunks
+        )
 
 
 def pytest_monkeypatch() -> Any:

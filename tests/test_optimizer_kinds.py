@@ -10,7 +10,7 @@ Kinds that cannot run on CPU as they are are built as close to production as pos
 - ``HybridDeviceOptimizer`` offloads only CUDA params; here the main shards are *declared* on the
   device while its sub-optimizer works on CPU copies (main params on CPU, model elsewhere).
 - The precision-aware optimizer uses :class:`PrecisionAwareAdamStandIn`, which reproduces TE
-  FusedAdam's state layout (TE cannot run on CPU).
+  FusedAdam's state layout, fp32 masters or int16 remainders (TE cannot run on CPU).
 - Muon needs the ``emerging_optimizers`` package (not installed): the layer-wise distributed
   optimizer is tested with the Adam leaves ``get_megatron_muon_optimizer`` also chains into it.
 """
@@ -28,11 +28,7 @@ import torch
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from precision_aware_standin import (
-    PrecisionAwareAdamStandIn,
-    precision_aware_config,
-    use_precision_aware_standin,
-)
+from precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
 
 SEED = 11
 STEPS = 2
@@ -100,17 +96,6 @@ def _hybrid(chunks: list, precision_aware: bool) -> Any:
     return get_megatron_optimizer(config, chunks)
 
 
-def _precision_aware(chunks: list, remainders: bool) -> Any:
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    with use_precision_aware_standin():
-        config = precision_aware_config(
-            optimizer="adam", lr=1e-2, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16,
-            use_distributed_optimizer=True, store_param_remainders=remainders,
-        )
-        return get_megatron_optimizer(config, chunks)
-
-
 def _layer_wise(chunks: list) -> Any:
     """``LayerWiseDistributedOptimizer`` as ``get_megatron_muon_optimizer`` builds it for its Adam
     leaves: unwrapped fp32 leaves, then bf16 master weights created after the layer split."""
@@ -160,6 +145,8 @@ KINDS = {
     "precision-aware-standin-dp2": Kind(2, build="precision_aware", reloads=False),
     "precision-aware-standin-tp2-dp2": Kind(4, parallel=(("tp", 2),), build="precision_aware",
                                              reloads=False),
+    "precision-aware-remainders-tp2-dp2": Kind(4, parallel=(("tp", 2),),
+                                                build="precision_aware_remainders", reloads=False),
 }
 
 
@@ -170,8 +157,10 @@ def _build(kind: Kind, chunks: list) -> Any:
         return _layer_wise(chunks)
     if kind.build in ("hybrid", "hybrid-pa"):
         return _hybrid(chunks, precision_aware=kind.build == "hybrid-pa")
-    if kind.build == "precision_aware":
-        return _precision_aware(chunks, remainders=False)
+    if kind.build in ("precision_aware", "precision_aware_remainders"):
+        return build_precision_aware_optimizer(
+            chunks, clip_grad=1.0, store_param_remainders=kind.build.endswith("remainders")
+        )
     raise AssertionError(kind.build)
 
 
@@ -200,7 +189,7 @@ def _reference_tensors(optimizer: Any) -> list[tuple[torch.Tensor, torch.Tensor,
                         # The CPU copy its CPU sub-optimizer steps (bf16 shards: the fp32 copy).
                         updated = inner.param_to_inner_param[shard]
                     elif isinstance(inner, PrecisionAwareAdamStandIn) and shard.dtype != torch.float32:
-                        updated = inner.state[shard]["master_param"]
+                        updated = inner.get_unscaled_state(shard, "master_param")
                     else:
                         updated = shard
                     pairs.append((param, updated, False))

@@ -29,7 +29,7 @@ import torch
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from precision_aware_standin import precision_aware_config, use_precision_aware_standin
+from precision_aware_standin import build_precision_aware_optimizer
 
 SEED = 5
 REL = 1e-7  # the CPU kernel accumulates rows of 256 in fp32 (~2e-8)
@@ -199,17 +199,12 @@ def test_offload_swapped_storage_is_followed(dist_opt: bool, through_wrapper: bo
     assert results[0]["counted_after_step"] == pytest.approx(stepped, rel=REL)
 
 
-def _precision_aware_reload_body() -> dict:
+def _precision_aware_reload_body(remainders: bool) -> dict:
     """TE FusedAdam's (stand-in's) own ``load_state_dict``, behind the wrapper's back, creates
-    new master tensors."""
-    from megatron.core.optimizer import get_megatron_optimizer
-
+    new master tensors (with remainders: new int16 remainders, and new bf16 param values)."""
     init_parallel()
     chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
-    with use_precision_aware_standin():
-        config = precision_aware_config(optimizer="adam", lr=1e-2, bf16=True,
-                                        params_dtype=torch.bfloat16, use_distributed_optimizer=True)
-        inner = get_megatron_optimizer(config, chunks)
+    inner = build_precision_aware_optimizer(chunks, store_param_remainders=remainders)
     optimizer = _wrap(inner, chunks)
     train_step(chunks, optimizer, seed=0)
     leaf = inner.chained_optimizers[0]
@@ -220,7 +215,8 @@ def _precision_aware_reload_body() -> dict:
         if "master_param" in values:
             values["master_param"].mul_(2.0)
     te_adam.load_state_dict(state)
-    masters = [m["master_param"] for m in te_adam.state.values() if "master_param" in m]
+    masters = [te_adam.get_unscaled_state(p, "master_param")
+               for p, m in te_adam.state.items() if "master_param" in m]
     fp32_shards = [s for g in leaf.shard_fp32_groups for s in g]
     total = torch.tensor([sum(float(m.double().pow(2).sum()) for m in masters + fp32_shards)],
                          dtype=torch.float64)
@@ -229,8 +225,9 @@ def _precision_aware_reload_body() -> dict:
             "reference": math.sqrt(float(total))}
 
 
-def test_precision_aware_master_weights_replaced_by_an_inner_load() -> None:
-    for got in run_ranks(_precision_aware_reload_body, 2):
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32-masters", "remainders"])
+def test_precision_aware_master_weights_replaced_by_an_inner_load(remainders: bool) -> None:
+    for got in run_ranks(_precision_aware_reload_body, 2, remainders):
         assert got["after"] == pytest.approx(got["reference"], rel=REL)
         assert got["after"] > 1.5 * got["before"]
 
@@ -434,35 +431,22 @@ def test_ranks_that_count_nothing_still_join_the_one_collective() -> None:
 # ================================================================ 6. bad input
 
 
-def test_precision_aware_remainders_are_refused_by_name() -> None:
-    from norm_optim import UnsupportedOptimizerError
-
-    def body() -> None:
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        init_parallel()
-        chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
-        with use_precision_aware_standin():
-            config = precision_aware_config(
-                optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16,
-                use_distributed_optimizer=True, store_param_remainders=True)
-            inner = get_megatron_optimizer(config, chunks)
-        _wrap(inner, chunks)
-
-    with pytest.raises(RankFailedError, match="int16 remainders.*store_param_remainders=False") as e:
-        run_ranks(body, 1)
-    assert isinstance(e.value.__cause__, UnsupportedOptimizerError)
-
-
-def test_low_precision_master_weights_are_refused_by_name() -> None:
+@pytest.mark.parametrize(
+    "dtype,declared", [(torch.float16, False), (torch.int16, False), (torch.float16, True)],
+    ids=["fp16-state", "int16-without-remainders", "fp16-declared-before-any-state"],
+)
+def test_low_precision_master_weights_are_refused_by_name(dtype: torch.dtype, declared: bool) -> None:
     from norm_optim.sources import _precision_aware_master
     from norm_optim import UnsupportedOptimizerError
 
     shard = torch.zeros(4, dtype=torch.bfloat16)
     inner = torch.optim.SGD([shard], lr=0.1)
-    inner.state[shard]["master_param"] = torch.zeros(4, dtype=torch.float16)
+    if declared:  # as TE's FusedAdam(master_weight_dtype=...) says before its first step
+        inner.master_weight_dtype = dtype
+    else:
+        inner.state[shard]["master_param"] = torch.zeros(4, dtype=dtype)
     leaf = type("Leaf", (), {"optimizer": inner, "model_param_group_index_map": {shard: (0, 0)}})
-    with pytest.raises(UnsupportedOptimizerError, match=r"torch.float16 tensors.*fp32 master"):
+    with pytest.raises(UnsupportedOptimizerError, match=rf"{dtype} tensors.*fp32 master"):
         _precision_aware_master(leaf, shard)
 
 
