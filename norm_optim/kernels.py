@@ -337,9 +337,12 @@ class _RowNormGroup:
         self._strided: list[Tensor] = []
         strided_slots: list[int] = []
         builder = _FlushBuilder(device)
+        # Views first, packed pieces after: interleaving them would close a half-filled block at
+        # every view (one copy and one reduction per small tensor instead of per 512 KiB).
+        to_pack: list[tuple[Summand, int]] = []
         for t, slot in zip(tensors, slots):
             if isinstance(t, RemainderMaster):
-                builder.add_packed(t, slot)
+                to_pack.append((t, slot))
                 continue
             if not t.is_contiguous():
                 pieces = _split_bounded(t, _BLOCK_NUMEL)
@@ -352,6 +355,9 @@ class _RowNormGroup:
                 for view in flat[:whole_rows].view(-1, _VIEW_ROW).split(_FLUSH_ROWS):
                     builder.add_view(view, slot)
                 flat = flat[whole_rows:]
+            if flat.numel():
+                to_pack.append((flat, slot))
+        for flat, slot in to_pack:
             builder.add_packed(flat, slot)
         self._flushes = builder.finish()
         self._has_packed = any(isinstance(i, _PackedBlock) for f in self._flushes for i in f.items)
