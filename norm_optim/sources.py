@@ -65,7 +65,23 @@ class _Context:
 
 def read_holdings(optimizer: Any) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
-    return list(_read(optimizer, _Context()))
+    holdings = list(_read(optimizer, _Context()))
+    for holding in holdings:
+        _refuse_fsdp(holding)
+    return holdings
+
+
+def _refuse_fsdp(holding: Holding) -> None:
+    """FSDP (megatron's or torch's) shards params as DTensors, with an ownership rule of its own
+    that norm_optim does not implement yet: a clear error, rather than counting each shard as a
+    replica."""
+    for tensor in (holding.param, holding.tensor):
+        if type(tensor).__name__ == "DTensor" or getattr(tensor, "__fsdp_param__", False):
+            raise UnsupportedOptimizerError(
+                f"{holding.optimizer} holds FSDP-sharded params (DTensor); norm_optim supports "
+                "megatron's DDP with the distributed optimizer (use_distributed_optimizer=True), "
+                "not use_megatron_fsdp / use_torch_fsdp2"
+            )
 
 
 def leaves(optimizer: Any) -> Iterator[Any]:

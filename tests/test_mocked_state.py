@@ -270,3 +270,12 @@ def test_empty_model_warns_and_gives_zero() -> None:
     with pytest.warns(UserWarning, match="no params"):
         optimizer = NormAwareOptimizer(ChainedOptimizer([]), model=torch.nn.Module())
     assert float(optimizer.param_l2_norm()) == 0.0
+
+
+def test_fsdp_sharded_params_are_refused() -> None:
+    """Megatron FSDP marks its params ``__fsdp_param__`` (DTensor shards, an ownership rule of
+    their own): a clear error rather than shards counted as replicas."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.__fsdp_param__ = True
+    with pytest.raises(UnsupportedOptimizerError, match="FSDP"):
+        NormAwareOptimizer(torch.optim.SGD([param], lr=0.1))
