@@ -31,6 +31,34 @@ class ParamNorms:
     expert: torch.Tensor
     per_param: Optional[Mapping[str, torch.Tensor]] = None
 
+    def largest(self, k: int = 5) -> list[tuple[str, float]]:
+        """The ``k`` largest per-parameter norms, largest first (reads the values: one sync)."""
+        names, values = self._per_param_vector()
+        top = torch.topk(values, min(k, len(names)))
+        return [(names[i], v) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    def fastest_growing(self, since: "ParamNorms", k: int = 5) -> list[tuple[str, float]]:
+        """The ``k`` params whose norm grew the most since an earlier read, as ratios now/then.
+
+        Params whose earlier norm was 0 are skipped (no ratio). One host sync.
+        """
+        names, now = self._per_param_vector()
+        before_names, before = since._per_param_vector()
+        if before_names != names:
+            raise ValueError("the two reads have different per-param names (another model?)")
+        ratio = torch.where(before > 0, now / before, torch.full_like(now, float("-inf")))
+        top = torch.topk(ratio, min(k, len(names)))
+        return [
+            (names[i], r) for r, i in zip(top.values.tolist(), top.indices.tolist())
+            if r != float("-inf")
+        ]
+
+    def _per_param_vector(self) -> tuple[list[str], torch.Tensor]:
+        if self.per_param is None:
+            raise ValueError("these norms have no per-param breakdown: ask for per_param=True")
+        names = list(self.per_param)
+        return names, torch.stack([self.per_param[n] for n in names]) if names else torch.zeros(0)
+
 
 class PendingNorms:
     """Norms whose all-reduce may still be in flight; :meth:`wait` returns them.

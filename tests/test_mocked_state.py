@@ -279,3 +279,22 @@ def test_fsdp_sharded_params_are_refused() -> None:
     param.__fsdp_param__ = True
     with pytest.raises(UnsupportedOptimizerError, match="FSDP"):
         NormAwareOptimizer(torch.optim.SGD([param], lr=0.1))
+
+
+def test_top_k_reports_largest_and_fastest_growing() -> None:
+    model = TinyMoE()
+    inner = float16_optimizer(model)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    before = optimizer.param_l2_norms(per_param=True)
+    model.norm.main_param.mul_(10.0)
+    model.expert.main_param.mul_(2.0)
+    after = optimizer.param_l2_norms(per_param=True)
+    expected = sorted(
+        ((n, float(v)) for n, v in after.per_param.items()), key=lambda nv: -nv[1]
+    )[:2]
+    assert [n for n, _ in after.largest(2)] == [n for n, _ in expected]
+    growing = after.fastest_growing(before, k=2)
+    assert [n for n, _ in growing] == ["norm", "expert"]
+    assert growing[0][1] == pytest.approx(10.0) and growing[1][1] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="per_param=True"):
+        optimizer.param_l2_norms().largest()
