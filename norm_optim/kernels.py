@@ -11,7 +11,7 @@ starts as one) comes out 2e-2 off, 64k-element ones 8e-6 off. Row norms of a 2-D
 ``vector_norm(t.view(-1, 256), dim=1)``, accumulate only 256 terms each, use both cores, and are
 *faster* than the whole-tensor call; summing their squares in float64 gives ~2e-8. Small tensors
 are copied (bf16/fp16: cast) in bounded blocks into one scratch buffer and reduced the same way,
-so their cost is a few ops per 512 KiB block instead of ~2 us per tensor. On CUDA the reductions are
+so their cost is a few ops per 256 KiB block instead of ~2 us per tensor. On CUDA the reductions are
 tree-shaped and accurate, so whole tensors go to one fused multi-tensor kernel (apex, Transformer
 Engine, or ``torch._foreach_norm``).
 
@@ -69,20 +69,22 @@ _ROW = 256
 _VIEW_ROW = 1024
 
 # Elements of the per-call fp32 scratch buffer into which small tensors (and bf16/fp16 tensors, cast)
-# are packed: 2**17 floats = 512 KiB. It bounds the per-call temporaries; larger blocks were not
-# measurably faster.
-_BLOCK_NUMEL = 1 << 17
+# are packed: 2**16 floats = 256 KiB. It bounds the per-call temporaries.
+_BLOCK_NUMEL = 1 << 16
 
 # Rows of the per-call row-norm buffer: each time it is full, the squares of its row norms are added
-# to the slots (fp32 rows + their float64 squares: 192 KiB at 2**14 rows, i.e. one flush per 4.2M
-# elements). Must be a multiple of _BLOCK_NUMEL // _ROW. With 2**15 rows (384 KiB) a call's peak RSS
-# was 1.26 MiB on 5,152 small tensors, over the 1 MiB target of benchmarks/param_norm.py; with
-# 2**14 it was 0.94 MiB, at the same speed (23.7 vs 24.3 ms, within noise).
-_FLUSH_ROWS = 1 << 14
+# to the slots (fp32 rows + their float64 squares: 96 KiB at 2**13 rows, i.e. one flush per 8M
+# elements of in-place views). Must be a multiple of _BLOCK_NUMEL // _ROW.
+# Peak RSS of one call (76 tensors of 4.2M elements + 20 small ones, one thread) with
+# (flush rows, block) = (2**14, 2**17): 828 KiB; (2**13, 2**16): 424 KiB, at the same speed
+# (143.9 vs 142.7 ms); the benchmark's 3.2e8-element case had reached 1.1 MiB with the former.
+# On 5,000 tensors of 4k elements the smaller block costs 0.98x -> 1.07x the floor, on a mix of
+# 16k and 64-element tensors it gains (1.23x -> 1.17x).
+_FLUSH_ROWS = 1 << 13
 
 # Contiguous CPU fp32 tensors with at least this many elements are reduced in place through row
 # views (one op per 8.4M elements plus ~2 small ones); smaller ones are packed into the scratch
-# buffer, which costs a copy but only ~5 ops per 512 KiB however many tensors it holds.
+# buffer, which costs a copy but only ~5 ops per 256 KiB block however many tensors it holds.
 # Measured on 5000 fp32 tensors of 4k..64k elements (floor: one ``_foreach_norm`` over all 5000,
 # 81 ms, 7.7e-6 off); plan with this threshold at 2**12: 100 ms, 2**14: 101 ms, 2**16: 117 ms,
 # everything packed: 114 ms; 6.9e-8 off in every case. Single-threaded, packing more (2**16) won.
@@ -338,7 +340,7 @@ class _RowNormGroup:
         strided_slots: list[int] = []
         builder = _FlushBuilder(device)
         # Views first, packed pieces after: interleaving them would close a half-filled block at
-        # every view (one copy and one reduction per small tensor instead of per 512 KiB).
+        # every view (one copy and one reduction per small tensor instead of per 256 KiB).
         to_pack: list[tuple[Summand, int]] = []
         for t, slot in zip(tensors, slots):
             if isinstance(t, RemainderMaster):
@@ -502,7 +504,7 @@ class SumOfSquaresPlan:
     """Per-slot float64 sums of squares of a fixed list of tensors, built once and called often.
 
     Tensors are grouped once by (device, dtype); each call runs one fused reduction per group (on
-    CPU, and for remainder masters everywhere: a few ops per 512 KiB block, see the module
+    CPU, and for remainder masters everywhere: a few ops per 256 KiB block, see the module
     docstring) and moves each group's partial result to ``out_device``. Views share storage with
     the given tensors: nothing is copied at construction and each call's temporaries are bounded
     (``scratch_bytes``), whatever the sizes.

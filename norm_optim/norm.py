@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 import torch
 
 from .comm import Communicator, ProcessGroup, Work
+from .errors import NormOptimError
 from .kernels import SumOfSquaresPlan
 from .naming import global_param_names
 from .registry import DENSE, EXPERT, ParamRegistry
@@ -145,8 +146,15 @@ class NormReducer:
                 r for r in self.registry.records if r.reason not in ("shared", "frozen-excluded")
             ]
             chunks = self.registry.chunks
-            ids = global_param_names(chunks) if chunks is not None else {}
-            local = [ids.get(id(r.param), r.name) for r in records]
+            if chunks is None:
+                # Local stand-in names (param0, param1, ...) mean different params on different
+                # ranks: summing them by name would mix params.
+                raise NormOptimError(
+                    "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
+                    "(this optimizer does not know its model chunks)"
+                )
+            ids = global_param_names(chunks)
+            local = [ids[id(r.param)] for r in records]
             if self.names is None:
                 mine = sorted({(name, r.expert) for name, r in zip(local, records)})
                 gathered = self.comm.all_gather_object(mine, self.group)

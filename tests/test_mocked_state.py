@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from norm_optim import (
+    NormOptimError,
     NormAwareOptimizer,
     ParallelStateError,
     RecordingCommunicator,
@@ -298,3 +299,12 @@ def test_top_k_reports_largest_and_fastest_growing() -> None:
     assert growing[0][1] == pytest.approx(10.0) and growing[1][1] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="per_param=True"):
         optimizer.param_l2_norms().largest()
+
+
+def test_per_param_norms_need_the_model() -> None:
+    """Without the model, params have no layout-independent names to line up across ranks."""
+    optimizer = NormAwareOptimizer(float16_optimizer(TinyMoE()))
+    assert not optimizer.registry.sees_frozen_params
+    float(optimizer.param_l2_norm())  # the total needs no names
+    with pytest.raises(NormOptimError, match="model="):
+        optimizer.param_l2_norms(per_param=True)
