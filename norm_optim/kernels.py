@@ -359,8 +359,8 @@ class _RowNormGroup:
                 flat = flat[whole_rows:]
             if flat.numel():
                 to_pack.append((flat, slot))
-        for flat, slot in to_pack:
-            builder.add_packed(flat, slot)
+        for piece, slot in to_pack:
+            builder.add_packed(piece, slot)
         self._flushes = builder.finish()
         self._has_packed = any(isinstance(i, _PackedBlock) for f in self._flushes for i in f.items)
         self._strided_slots = torch.tensor(strided_slots, dtype=torch.long, device=device)
@@ -377,16 +377,15 @@ class _RowNormGroup:
     def __call__(self, acc: Tensor) -> None:
         if self._flushes:
             row_buffer = torch.empty(_FLUSH_ROWS, dtype=torch.float32, device=self._device)
-            scratch = None
+            scratch = torch.empty(0, dtype=torch.float32, device=self._device)
             if self._has_packed:
                 scratch = torch.empty(_BLOCK_NUMEL, dtype=torch.float32, device=self._device)
             for flush in self._flushes:
                 num_rows = flush.num_rows
                 row_norms = row_buffer[:num_rows]
                 for item, out in zip(flush.items, row_norms.split(flush.item_rows)):
-                    if isinstance(item, _PackedBlock):
-                        item = item.fill(scratch)
-                    torch.linalg.vector_norm(item, dim=1, out=out)
+                    rows = item.fill(scratch) if isinstance(item, _PackedBlock) else item
+                    torch.linalg.vector_norm(rows, dim=1, out=out)
                 # Per-run sums of squares in float64 (a run: consecutive rows of one slot), then
                 # one scatter of the few run sums; cheaper than a per-row slot index.
                 squares = row_norms.double().square_()
@@ -553,7 +552,7 @@ class SumOfSquaresPlan:
                 bucket[0].append(t if isinstance(t, RemainderMaster) else t.detach())
                 bucket[1].append(slot)
         self._groups: dict[_GroupKey, _RowNormGroup | _FusedGroup] = {
-            key: key[2](group_tensors, group_slots, key[0])
+            key: key[2](group_tensors, group_slots, key[0])  # type: ignore[arg-type]
             for key, (group_tensors, group_slots) in buckets.items()
         }
 

@@ -168,14 +168,14 @@ def _build_records(
     count_frozen: bool,
 ) -> list[ParamRecord]:
     by_param: dict[int, Holding] = {}
-    for holding in holdings:
+    for held in holdings:
         # A param held twice would be counted twice: megatron never does this, so say so.
-        if id(holding.param) in by_param:
+        if id(held.param) in by_param:
             raise UnknownParamError(
-                f"a param of shape {tuple(holding.param.shape)} is held by two optimizer leaves "
-                f"({by_param[id(holding.param)].optimizer} and {holding.optimizer})"
+                f"a param of shape {tuple(held.param.shape)} is held by two optimizer leaves "
+                f"({by_param[id(held.param)].optimizer} and {held.optimizer})"
             )
-        by_param[id(holding.param)] = holding
+        by_param[id(held.param)] = held
 
     if chunks is None:
         named: Iterable[tuple[str, torch.nn.Parameter]] = (

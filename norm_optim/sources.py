@@ -291,7 +291,7 @@ def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
 
 
 def _whole(
-    param: torch.nn.Parameter, tensor: torch.Tensor, source: str, ctx: _Context, name: str
+    param: torch.nn.Parameter, tensor: Optional[torch.Tensor], source: str, ctx: _Context, name: str
 ) -> Holding:
     """A whole-param holding: replicated over DP, or assigned to this rank (layer-wise)."""
     # The layer-wise optimizer splits its assignment by megatron's own expert marker.
