@@ -83,6 +83,12 @@ LAYOUTS = {
     "tp2-frozen": Layout(4, tp=2, freeze=("decoder.layers.0.*", "embedding.*")),
     "ep2-fp32-mixed": Layout(2, MOE, ep=2, fp32_params=("*layernorm*", "*router*")),
     "tp2-ep2-pg-collection": Layout(4, MOE, tp=2, ep=2, etp=1, pg_collection=True),
+    # Wider mixes, world 8.
+    "pp4-tied": Layout(4, pp=4),
+    "pp2-vpp2-ep2": Layout(4, MOE, pp=2, vpp=2, ep=2),
+    "tp2-cp2-ep2-etp1": Layout(8, MOE, tp=2, cp=2, ep=2, etp=1),
+    "tp4-ep2-etp2": Layout(8, MOE, tp=4, ep=2, etp=2),
+    "tp2-ep2-2instances": Layout(8, MOE, tp=2, ep=2, etp=1, instances=2),
 }
 CASES = [
     pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}")
