@@ -389,7 +389,11 @@ class _RowNormGroup:
                 # Per-run sums of squares in float64 (a run: consecutive rows of one slot), then
                 # one scatter of the few run sums; cheaper than a per-row slot index.
                 squares = row_norms.double().square_()
-                run_sums = torch.segment_reduce(squares, "sum", lengths=flush.run_rows)
+                # unsafe=True: the lengths were built with the plan and always sum to num_rows;
+                # validating them would read a device value back (a host sync on CUDA).
+                run_sums = torch.segment_reduce(
+                    squares, "sum", lengths=flush.run_rows, unsafe=True
+                )
                 acc.index_add_(0, flush.run_slots, run_sums)
         if self._strided:
             norms = torch._foreach_norm(self._strided, 2, dtype=torch.float64)

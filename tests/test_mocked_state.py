@@ -308,3 +308,27 @@ def test_per_param_norms_need_the_model() -> None:
     float(optimizer.param_l2_norm())  # the total needs no names
     with pytest.raises(NormOptimError, match="model="):
         optimizer.param_l2_norms(per_param=True)
+
+
+def test_no_host_sync_inside_the_call() -> None:
+    """No op reads a tensor value back to the host (``aten::_local_scalar_dense``: ``.item()``,
+    ``float(t)``, validation of lengths...): on CUDA each would stall the pipeline. The CPU
+    profile shows the same ops the CUDA path would run for these tensors' kernels."""
+    from torch.profiler import profile
+
+    model = TinyMoE()
+    model.norm.requires_grad_(False)  # a frozen bf16 param: the blocked low-precision path too
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    group = dict(params=trainable, wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False,
+                 is_decoupled_lr=False)
+    inner = Float16OptimizerWithFloat16Params(
+        torch.optim.Adam([group], lr=1e-3), OptimizerConfig(bf16=True), None, lambda *_: None
+    )
+    optimizer = NormAwareOptimizer(inner, model=model)
+    optimizer.param_l2_norms(per_param=True)  # builds the per-param plan
+    with profile() as prof:
+        optimizer.param_l2_norm()
+        optimizer.param_l2_norms(per_param=True)
+        optimizer.param_l2_norms_async().wait()
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::_local_scalar_dense" not in ops and "aten::item" not in ops
