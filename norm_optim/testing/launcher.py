@@ -185,8 +185,9 @@ def _dump_stacks(
     procs: list[multiprocessing.process.BaseProcess], specs: list[_ChildSpec], ranks: list[int]
 ) -> dict[int, str]:
     for rank in ranks:
-        if procs[rank].pid is not None and procs[rank].is_alive():
-            os.kill(procs[rank].pid, signal.SIGUSR1)
+        pid = procs[rank].pid
+        if pid is not None and procs[rank].is_alive():
+            os.kill(pid, signal.SIGUSR1)
     time.sleep(_STACK_DUMP_GRACE_S)
     return {rank: specs[rank].stack_file.read_text() for rank in ranks
             if specs[rank].stack_file.exists()}
@@ -219,7 +220,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = multiprocessing.get_context(start_method)
+    ctx: Any = multiprocessing.get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="norm_optim_ranks_")
     specs = [_ChildSpec(r, world_size, workdir, cpu_shim, timeout) for r in range(world_size)]
     procs, conns = [], []
@@ -254,7 +255,7 @@ def _collect(
     deadline = time.monotonic() + timeout
     pending = {conn: rank for rank, conn in enumerate(conns)}
     while pending:
-        ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        ready: list[Any] = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             ranks = sorted(pending.values())
             raise RankTimeoutError(timeout, ranks, _dump_stacks(procs, specs, ranks))

@@ -207,7 +207,7 @@ def build_optimizer(
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    built_for = model_chunks[0].ddp_config.use_distributed_optimizer
+    built_for: bool = getattr(model_chunks[0], "ddp_config").use_distributed_optimizer
     if use_distributed_optimizer is None:
         use_distributed_optimizer = built_for
     if use_distributed_optimizer != built_for:
@@ -274,7 +274,7 @@ def train_step(
     iterators = [iter(batches) for _ in model_chunks]
 
     for chunk in model_chunks:
-        chunk.zero_grad_buffer()
+        getattr(chunk, "zero_grad_buffer")()  # megatron DDP's, not a torch.nn.Module method
     optimizer.zero_grad()
     get_forward_backward_func()(
         forward_step_func=_forward_step,
@@ -288,7 +288,7 @@ def train_step(
     return optimizer.step()
 
 
-def unwrap_gpt(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap_gpt(chunk: torch.nn.Module) -> Any:
     """The GPTModel inside a model chunk's DDP and Float16Module wrappers."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module

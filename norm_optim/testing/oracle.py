@@ -54,7 +54,7 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _global_name(gpt: torch.nn.Module, name: str) -> str:
+def _global_name(gpt: Any, name: str) -> str:
     if name == _TIED_OUTPUT and gpt.share_embeddings_and_output_weights:
         return _WORD_EMBEDDINGS  # the last stage's copy of the tied embedding
     match = _LAYER.match(name)
@@ -104,7 +104,7 @@ def _global_shape(name: str, param: torch.Tensor) -> tuple[int, ...]:
     _, size = _tp_rank_and_size(name, param)
     shape = list(param.shape)
     if size > 1:
-        shape[param.partition_dim] *= size
+        shape[getattr(param, "partition_dim")] *= size
     return tuple(shape)
 
 
@@ -120,7 +120,7 @@ def _global_flat_index(name: str, param: torch.Tensor) -> torch.Tensor:
     index = torch.zeros(param.shape, dtype=torch.int64)
     for dim, length in enumerate(param.shape):
         coord = torch.arange(length, dtype=torch.int64)
-        if size > 1 and dim == param.partition_dim:
+        if size > 1 and dim == getattr(param, "partition_dim"):
             block = length // getattr(param, "partition_stride", 1)
             coord = ((coord // block) * size + rank) * block + coord % block
         view = [1] * param.dim()
