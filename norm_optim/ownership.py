@@ -116,6 +116,7 @@ def why_not_counted(
     param: torch.Tensor,
     *,
     expert: bool,
+    tp_split: bool,
     replicated: bool,
     coords: RankCoords,
     shard_group: Optional[frozenset[int]] = None,
@@ -126,6 +127,8 @@ def why_not_counted(
         param: the model param (its TP and ``shared`` attributes decide duplicates).
         expert: whether the param lives in an expert layer (split by expert-TP, replicated over
             expert-DP), whichever optimizer holds it.
+        tp_split: whether the (expert-)TP group splits the param; if not, TP ranks other than 0
+            hold duplicates.
         replicated: whether the tensor this rank holds is a whole copy that every rank of the
             (expert) data-parallel group holds too, rather than a part only this rank holds.
         coords: this rank's coordinates.
@@ -136,7 +139,7 @@ def why_not_counted(
     if getattr(param, "shared", False):
         return "shared"
     tp_rank = coords.expert_tp if expert else coords.tp
-    if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+    if not tp_split and tp_rank != 0:
         return "tp-duplicate"
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:

@@ -14,7 +14,7 @@ import torch
 
 from .errors import UnknownParamError
 from .kernels import Summand
-from .naming import expert_param_ids
+from .naming import expert_param_ids, tensor_parallel_split_ids
 from .ownership import RankCoords, why_not_counted
 from .sources import Holding, read_holdings
 
@@ -181,10 +181,10 @@ def _build_records(
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
-        experts: set[int] = set()
+        structure = _Structure(experts=set(), tp_split=set())
     else:
         named = named_model_params(chunks)
-        experts = expert_param_ids(chunks)
+        structure = _Structure(expert_param_ids(chunks), tensor_parallel_split_ids(chunks))
 
     records: list[ParamRecord] = []
     for name, param in named:
@@ -199,10 +199,10 @@ def _build_records(
             holding = Holding(param, param, "frozen", replicated=True)
             if not count_frozen:
                 records.append(
-                    _record(name, holding, coords, experts, forced_reason="frozen-excluded")
+                    _record(name, holding, coords, structure, forced_reason="frozen-excluded")
                 )
                 continue
-        records.append(_record(name, holding, coords, experts))
+        records.append(_record(name, holding, coords, structure))
 
     if by_param:
         shapes = [tuple(h.param.shape) for h in list(by_param.values())[:3]]
@@ -213,16 +213,28 @@ def _build_records(
     return records
 
 
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """What the model's module structure says about params (ids), beyond megatron's markers."""
+
+    experts: set[int]
+    tp_split: set[int]
+
+
 def _record(
     name: str,
     holding: Holding,
     coords: RankCoords,
-    experts: set[int],
+    structure: _Structure,
     forced_reason: Optional[str] = None,
 ) -> ParamRecord:
     param, tensor = holding.param, holding.tensor
     # Megatron's own marker (EP > 1), or the model's structure (also at EP = 1).
-    expert = not getattr(param, "allreduce", True) or id(param) in experts
+    expert = not getattr(param, "allreduce", True) or id(param) in structure.experts
+    # Megatron's marker when the param has one, else the layer type (see naming).
+    tp_split = getattr(param, "tensor_model_parallel", None)
+    if tp_split is None:
+        tp_split = id(param) in structure.tp_split
     if forced_reason is not None:
         reason: Optional[str] = forced_reason
     elif tensor is None:
@@ -231,6 +243,7 @@ def _record(
         reason = why_not_counted(
             param,
             expert=expert,
+            tp_split=bool(tp_split),
             replicated=holding.replicated,
             coords=coords,
             shard_group=holding.shard_group,

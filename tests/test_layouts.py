@@ -203,3 +203,47 @@ def test_param_norm_matches_unparallel_oracle(
         assert got["collectives"] == 1, "one all-reduce per call, breakdowns included"
         assert got["shares_storage"], "a summed tensor is a copy, not the optimizer's own"
     assert any(r["counted_anything"] for r in results)
+
+
+# ------------------------------------------------------------------ without weight init
+
+UNINITIALIZED = {
+    "tp2": Layout(2, dataclasses.replace(DENSE, perform_initialization=False), tp=2),
+    "tp2-ep2-etp2": Layout(4, dataclasses.replace(MOE, perform_initialization=False), tp=2, ep=2),
+}
+
+
+def _uninitialized_rank_body(layout: Layout, dist_opt: bool) -> tuple[float, int]:
+    """Every weight set to 1: the norm squared is then the number of elements counted."""
+    from norm_optim import NormAwareOptimizer
+
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, seed=SEED)
+    inner = build_optimizer(chunks)
+    marked = sum(hasattr(p, "tensor_model_parallel") for c in chunks for p in c.parameters())
+    with torch.no_grad():
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.fill_(1.0)
+    inner.reload_model_params()
+    return float(NormAwareOptimizer(inner, model=chunks).param_l2_norm()), marked
+
+
+@pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
+@pytest.mark.parametrize("name", list(UNINITIALIZED))
+def test_layers_without_weight_init_are_still_split(name: str, dist_opt: bool) -> None:
+    """``perform_initialization=False`` (checkpoint loading) leaves megatron's TP-split weights
+    without their ``tensor_model_parallel`` marker; the layer types still say they are split.
+    Oracle: all-ones weights, so norm² = the unparallel model's element count."""
+    layout = UNINITIALIZED[name]
+    shapes = run_ranks(_unparallel_shapes, 1, dataclasses.replace(layout.cfg,
+                       perform_initialization=True), ())[0]["all"]
+    expected = math.sqrt(sum(math.prod(shape) for shape in shapes.values()))
+    results = run_ranks(_uninitialized_rank_body, layout.world, layout, dist_opt, timeout=180)
+    for rank, (norm, _) in enumerate(results):
+        assert norm == pytest.approx(expected, rel=REL), f"rank {rank}"
+    # The case under test: megatron did leave (most) weights unmarked.
+    initialized = run_ranks(_uninitialized_rank_body, layout.world,
+                            dataclasses.replace(layout, cfg=dataclasses.replace(
+                                layout.cfg, perform_initialization=True)), dist_opt)
+    assert results[0][1] < initialized[0][1]

@@ -46,6 +46,9 @@ class TinyGPTConfig:
     add_bias_linear: bool | None = None
     normalization: str = "LayerNorm"
     bf16: bool = True
+    # False: megatron skips weight init (as when loading a checkpoint) and, with it, marking
+    # TP-split weights ``tensor_model_parallel``; the weights are then uninitialized memory.
+    perform_initialization: bool = True
 
 
 def transformer_config(cfg: TinyGPTConfig) -> Any:
@@ -89,6 +92,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
+        perform_initialization=cfg.perform_initialization,
         bf16=cfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
