@@ -73,7 +73,9 @@ class TorchCommunicator:
         return dist.get_process_group_ranks(group)[0]
 
     def device(self, group: ProcessGroup) -> torch.device:
-        if self.is_distributed() and dist.get_backend(group) == "nccl":
+        # "nccl", or a combined backend such as "cpu:gloo,cuda:nccl" (torch's default on a CUDA
+        # machine): CUDA tensors then go over NCCL, and CPU ones would force a host round trip.
+        if self.is_distributed() and "nccl" in str(dist.get_backend(group)):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -77,11 +77,14 @@ def _refuse_fsdp(holding: Holding) -> None:
     replica."""
     for tensor in (holding.param, holding.tensor):
         if type(tensor).__name__ == "DTensor" or getattr(tensor, "__fsdp_param__", False):
-            raise UnsupportedOptimizerError(
-                f"{holding.optimizer} holds FSDP-sharded params (DTensor); norm_optim supports "
-                "megatron's DDP with the distributed optimizer (use_distributed_optimizer=True), "
-                "not use_megatron_fsdp / use_torch_fsdp2"
-            )
+            raise _fsdp_error(holding.optimizer)
+
+
+def _fsdp_error(optimizer: str) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(
+        f"{optimizer} holds FSDP-sharded params (DTensor); norm_optim supports megatron's DDP "
+        "with or without the distributed optimizer, not use_megatron_fsdp / use_torch_fsdp2"
+    )
 
 
 def leaves(optimizer: Any) -> Iterator[Any]:
@@ -140,6 +143,9 @@ def _where(tensor: Optional[torch.Tensor]) -> tuple:
 
 
 def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
+    if getattr(getattr(optimizer, "ddp_config", None), "use_megatron_fsdp", False):
+        # Megatron FSDP's DistributedOptimizer returns from __init__ before building shards.
+        raise _fsdp_error(type(optimizer).__name__)
     for matches, reader in _READERS:
         if matches(optimizer):
             yield from reader(optimizer, ctx)

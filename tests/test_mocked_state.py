@@ -332,3 +332,16 @@ def test_no_host_sync_inside_the_call() -> None:
         optimizer.param_l2_norms_async().wait()
     ops = {event.key for event in prof.key_averages()}
     assert "aten::_local_scalar_dense" not in ops and "aten::item" not in ops
+
+
+def test_megatron_fsdp_optimizer_is_refused_by_name() -> None:
+    """With use_megatron_fsdp, megatron's DistributedOptimizer builds no shards at all.
+
+    A stand-in with that state (Megatron FSDP's buffers are CUDA-only, so the real one cannot be
+    built on CPU)."""
+
+    class DistributedOptimizer:  # the state megatron leaves it in under Megatron FSDP
+        ddp_config = type("DDPConfig", (), {"use_megatron_fsdp": True})()
+
+    with pytest.raises(UnsupportedOptimizerError, match="FSDP"):
+        NormAwareOptimizer(DistributedOptimizer())
