@@ -47,6 +47,11 @@ class RankCoords:
         expert_dp: rank in the full expert-data-parallel group (all optimizer instances).
         dp_cp_first, expert_dp_first: global rank of rank 0 of those groups (the replica that
             counts a param sharded over a smaller group).
+        expert_groups_known: False when an explicit ``pg_collection`` lacks ``expt_tp`` or
+            ``expt_dp``: expert params then cannot be counted.
+        experts_need_model: True at EP = 1 with expert-TP / expert-DP groups that differ from
+            the dense ones: megatron marks expert params only at EP > 1, so only the model's
+            structure can tell them apart.
     """
 
     tp: int = 0
@@ -55,6 +60,8 @@ class RankCoords:
     expert_dp: int = 0
     dp_cp_first: int = 0
     expert_dp_first: int = 0
+    expert_groups_known: bool = True
+    experts_need_model: bool = False
 
     @classmethod
     def from_parallel_state(cls, comm: Communicator) -> "RankCoords":
@@ -75,6 +82,7 @@ class RankCoords:
             return cls()
         dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         expert_dp_group = ps.get_expert_data_parallel_group(check_initialized=False)
+        tp_size = ps.get_tensor_model_parallel_world_size()
         return cls(
             tp=ps.get_tensor_model_parallel_rank(),
             expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
@@ -82,6 +90,12 @@ class RankCoords:
             expert_dp=ps.get_expert_data_parallel_rank(),
             dp_cp_first=comm.first_rank(dp_cp_group),
             expert_dp_first=comm.first_rank(expert_dp_group),
+            experts_need_model=ps.get_expert_model_parallel_world_size() == 1
+            and (
+                (ps.get_expert_tensor_parallel_world_size() or tp_size) != tp_size
+                or ps.get_expert_data_parallel_world_size()
+                != ps.get_data_parallel_world_size(with_context_parallel=True)
+            ),
         )
 
     @classmethod
@@ -93,17 +107,30 @@ class RankCoords:
                 f"pg_collection lacks the process groups {missing}; it needs at least tp and "
                 "dp_cp (and expt_tp, expt_dp for MoE models)"
             )
-        tp = comm.rank(pg_collection.tp)  # type: ignore[attr-defined]
+        tp_group = pg_collection.tp  # type: ignore[attr-defined]
         dp_cp_group = pg_collection.dp_cp  # type: ignore[attr-defined]
         expert_tp_group = getattr(pg_collection, "expt_tp", None)
         expert_dp_group = getattr(pg_collection, "expt_dp", None)
+        ep_group = getattr(pg_collection, "ep", None)
+        if expert_tp_group is None or expert_dp_group is None:
+            return cls(
+                tp=comm.rank(tp_group),
+                dp_cp=comm.rank(dp_cp_group),
+                dp_cp_first=comm.first_rank(dp_cp_group),
+                expert_groups_known=False,
+            )
         return cls(
-            tp=tp,
-            expert_tp=comm.rank(expert_tp_group) if expert_tp_group is not None else tp,
+            tp=comm.rank(tp_group),
+            expert_tp=comm.rank(expert_tp_group),
             dp_cp=comm.rank(dp_cp_group),
-            expert_dp=comm.rank(expert_dp_group) if expert_dp_group is not None else 0,
+            expert_dp=comm.rank(expert_dp_group),
             dp_cp_first=comm.first_rank(dp_cp_group),
-            expert_dp_first=comm.first_rank(expert_dp_group) if expert_dp_group is not None else 0,
+            expert_dp_first=comm.first_rank(expert_dp_group),
+            experts_need_model=(ep_group is None or comm.size(ep_group) == 1)
+            and (
+                comm.size(expert_tp_group) != comm.size(tp_group)
+                or comm.size(expert_dp_group) != comm.size(dp_cp_group)
+            ),
         )
 
 

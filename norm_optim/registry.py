@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .errors import UnknownParamError
+from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
 from .naming import expert_param_ids, tensor_parallel_split_ids
 from .ownership import RankCoords, why_not_counted
@@ -178,6 +178,12 @@ def _build_records(
         by_param[id(held.param)] = held
 
     if chunks is None:
+        if coords.experts_need_model:
+            raise ParallelStateError(
+                "with expert parallelism 1 and expert TP/DP groups that differ from the dense "
+                "ones, megatron leaves expert params unmarked: pass model=<the model chunks> "
+                "so that norm_optim can recognise them from the model's structure"
+            )
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
@@ -204,6 +210,11 @@ def _build_records(
                 continue
         records.append(_record(name, holding, coords, structure))
 
+    if not coords.expert_groups_known and any(r.expert for r in records):
+        raise ParallelStateError(
+            "the model has expert params but pg_collection has no expt_tp / expt_dp groups: "
+            "pass a ProcessGroupCollection with the expert groups too"
+        )
     if by_param:
         shapes = [tuple(h.param.shape) for h in list(by_param.values())[:3]]
         raise UnknownParamError(

@@ -52,13 +52,18 @@ class TinyMoE(torch.nn.Module):
 
 @contextlib.contextmanager
 def mocked_ranks(**ranks: int) -> Iterator[None]:
-    """Patch megatron's rank getters (tp, expert_tp, dp_cp, expert_dp) for one process."""
+    """Patch megatron's rank getters (tp, expert_tp, dp_cp, expert_dp) for one process, and its
+    world-size getters (``<name>_size`` keys, e.g. ``tensor_model_parallel_size``; default 1)."""
     mp = pytest.MonkeyPatch()
     mp.setattr(ps, "model_parallel_is_initialized", lambda: True)
     mp.setattr(ps, "get_tensor_model_parallel_rank", lambda: ranks.get("tp", 0))
     mp.setattr(ps, "get_expert_tensor_parallel_rank", lambda: ranks.get("expert_tp", 0))
     mp.setattr(ps, "get_data_parallel_rank", lambda **_: ranks.get("dp_cp", 0))
     mp.setattr(ps, "get_expert_data_parallel_rank", lambda **_: ranks.get("expert_dp", 0))
+    for getter in ("tensor_model_parallel", "expert_tensor_parallel", "expert_model_parallel",
+                   "data_parallel", "expert_data_parallel"):
+        size = ranks.get(f"{getter}_size", 1)
+        mp.setattr(ps, f"get_{getter}_world_size", lambda size=size, **_: size)
     # No process groups exist: the replicating groups' first ranks read as 0.
     mp.setattr(ps, "get_data_parallel_group", lambda **_: None)
     mp.setattr(ps, "get_expert_data_parallel_group", lambda **_: None)
@@ -345,3 +350,26 @@ def test_megatron_fsdp_optimizer_is_refused_by_name() -> None:
 
     with pytest.raises(UnsupportedOptimizerError, match="FSDP"):
         NormAwareOptimizer(DistributedOptimizer())
+
+
+def test_pg_collection_without_expert_groups_is_refused_for_moe() -> None:
+    """Without expt_tp / expt_dp, expert params would be counted by the dense rules."""
+
+    class DenseGroupsOnly:  # a ProcessGroupCollection's fields are optional (init=False)
+        tp = None
+        dp_cp = None
+
+    model = TinyMoE()
+    with pytest.raises(ParallelStateError, match="expt_tp"):
+        NormAwareOptimizer(float16_optimizer(model), model=model, pg_collection=DenseGroupsOnly())
+
+
+def test_ep1_experts_need_the_model_when_expert_groups_differ() -> None:
+    """At EP = 1 megatron leaves expert params unmarked; with ETP != TP only the model's
+    structure tells them apart, so a wrapper without the model refuses instead of guessing."""
+    model = TinyMoE()
+    inner = float16_optimizer(model)
+    with mocked_ranks(tp=1, tensor_model_parallel_size=2):
+        with pytest.raises(ParallelStateError, match="model="):
+            NormAwareOptimizer(inner)
+        NormAwareOptimizer(inner, model=model)  # with the model it is fine
