@@ -97,6 +97,9 @@ class ParamRegistry:
         )
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = chunks
+        frozen = [r.param for r in self.counted if r.source == "frozen"]
+        self.watched: tuple[torch.Tensor, ...] = tuple(frozen[:1] + frozen[-1:])
+        """Tensors held by no optimizer whose data a rebuild must follow (see ``fingerprint``)."""
 
     def __iter__(self) -> Iterator[ParamRecord]:
         return iter(self.records)

@@ -15,7 +15,7 @@ class, never a guess.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -97,7 +97,7 @@ def leaves(optimizer: Any) -> Iterator[Any]:
         yield from leaves(member)
 
 
-def fingerprint(optimizer: Any) -> tuple:
+def fingerprint(optimizer: Any, watched: Sequence[torch.Tensor] = ()) -> tuple:
     """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors.
 
     Used to notice, at call time and without walking params, that the registry must be rebuilt,
@@ -107,7 +107,9 @@ def fingerprint(optimizer: Any) -> tuple:
     created by the first step or replaced by a load (the precision-aware optimizer keeps its
     master weights there), and where the first and last param of each group (and their master
     weights) keep their data. Those replace every tensor of a group at once, so two per group
-    suffice; a caller that swaps single tensors itself must call ``refresh()``.
+    suffice; a caller that swaps single tensors itself must call ``refresh()``. ``watched``
+    tensors (the first and last frozen param, which no optimizer holds: ``Module.to()`` or an
+    offloaded reference model swaps their data) are checked the same way.
     """
     parts: list[Any] = []
     for leaf in leaves(optimizer):
@@ -122,6 +124,7 @@ def fingerprint(optimizer: Any) -> tuple:
                 len(state) if state is not None else -1,
             )
         )
+    parts.append(tuple(map(_where, watched)))
     return tuple(parts)
 
 

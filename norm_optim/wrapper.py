@@ -142,15 +142,16 @@ class NormAwareOptimizer:
         self._reducer = None
 
     def _current_reducer(self) -> NormReducer:
-        # O(param groups) check: rebuild only when the optimizer replaced its tensors.
-        current = fingerprint(self._optimizer)
-        if self._reducer is None or current != self._fingerprint:
+        # O(param groups) check: rebuild only when the optimizer (or the model's frozen params,
+        # which no optimizer holds) replaced its tensors.
+        watched = self._reducer.registry.watched if self._reducer is not None else ()
+        if self._reducer is None or fingerprint(self._optimizer, watched) != self._fingerprint:
             registry = ParamRegistry(
                 self._optimizer, self._model, coords=self._coords, count_frozen=self._count_frozen
             )
             self._drop_reducer()  # keeps the gathered per-param names
             self._reducer = NormReducer(registry, self._comm, self._group, self._names)
-            self._fingerprint = current
+            self._fingerprint = fingerprint(self._optimizer, registry.watched)
         return self._reducer
 
     # ---------------------------------------------------------------- delegation

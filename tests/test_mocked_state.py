@@ -373,3 +373,18 @@ def test_ep1_experts_need_the_model_when_expert_groups_differ() -> None:
         with pytest.raises(ParallelStateError, match="model="):
             NormAwareOptimizer(inner)
         NormAwareOptimizer(inner, model=model)  # with the model it is fine
+
+
+def test_frozen_params_whose_data_is_replaced_are_followed() -> None:
+    """``Module.to()`` / offloading a frozen reference model swap ``.data``: no optimizer holds
+    those params, so the registry watches them itself."""
+    model = TinyMoE(dtype=torch.float32)
+    model.norm.requires_grad_(False)
+    model.expert_norm.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = NormAwareOptimizer(torch.optim.SGD(trainable, lr=0.1), model=model)
+    float(optimizer.param_l2_norm())
+    model.norm.data = model.norm.data * 10.0
+    model.expert_norm.data = model.expert_norm.data * 10.0
+    counted = [p for n, p in model.named_parameters() if n != "tied_copy"]
+    assert float(optimizer.param_l2_norm()) == pytest.approx(oracle(counted), rel=1e-7)
