@@ -44,6 +44,10 @@ class Communicator(Protocol):
         """The global rank of ``group``'s rank 0."""
         ...
 
+    def group_ranks(self, group: ProcessGroup) -> frozenset[int]:
+        """The global ranks of ``group`` (``None``: the default group)."""
+        ...
+
     def device(self, group: ProcessGroup) -> torch.device:
         """The device a tensor must live on to be reduced over ``group``."""
         ...
@@ -71,6 +75,13 @@ class TorchCommunicator:
         if not self.is_distributed() or group is None:
             return 0
         return dist.get_process_group_ranks(group)[0]
+
+    def group_ranks(self, group: ProcessGroup) -> frozenset[int]:
+        if not self.is_distributed():
+            return frozenset({0})
+        if group is None:
+            return frozenset(range(dist.get_world_size()))
+        return frozenset(dist.get_process_group_ranks(group))
 
     def device(self, group: ProcessGroup) -> torch.device:
         # "nccl", or a combined backend such as "cpu:gloo,cuda:nccl" (torch's default on a CUDA
@@ -117,6 +128,9 @@ class RecordingCommunicator:
 
     def first_rank(self, group: ProcessGroup) -> int:
         return 0
+
+    def group_ranks(self, group: ProcessGroup) -> frozenset[int]:
+        return frozenset(range(self._size))
 
     def device(self, group: ProcessGroup) -> torch.device:
         return self._device

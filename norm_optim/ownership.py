@@ -134,6 +134,40 @@ class RankCoords:
         )
 
 
+def check_reduce_group(comm: Communicator, group: object, pg_collection: object = None) -> None:
+    """Refuse a reduction group that misses ranks holding parts of this rank's model.
+
+    Each element is counted on one rank only, so a group without, say, the other TP ranks would
+    silently leave their shards out. A local check (no collective): this rank's TP, PP, DP×CP,
+    EP and expert-DP groups must all lie inside ``group``.
+    """
+    if group is None or not comm.is_distributed():
+        return
+    if pg_collection is not None:
+        names = ("tp", "pp", "dp_cp", "ep", "expt_dp")
+        groups = [getattr(pg_collection, name, None) for name in names]
+    else:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return
+        groups = [
+            ps.get_tensor_model_parallel_group(),
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_expert_model_parallel_group(check_initialized=False),
+            ps.get_expert_data_parallel_group(check_initialized=False),
+        ]
+    held = set().union(*(comm.group_ranks(g) for g in groups if g is not None))
+    missing = sorted(held - comm.group_ranks(group))
+    if missing:
+        raise ParallelStateError(
+            f"group= lacks ranks {missing[:8]} that hold parts of the model (this rank's TP / PP / "
+            "DP / EP groups): reduce over a group that contains the whole model, e.g. the "
+            "default group (group=None)"
+        )
+
+
 def _or_zero(rank: Optional[int]) -> int:
     # megatron returns None for the expert-TP rank when no expert-TP group was built.
     return 0 if rank is None else int(rank)

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
 from .naming import expert_param_ids, tensor_parallel_split_ids
@@ -77,6 +78,7 @@ class ParamRegistry:
         model: module or list of model chunks; needed to see frozen params and to name params.
             Defaults to the chunks the optimizer knows (``optimizer.model_chunks``).
         coords: this rank's coordinates in the replicating groups.
+        comm: the communication seam (to read the optimizer's groups).
         count_frozen: count params no optimizer holds (``requires_grad=False``), as Megatron-LM's
             ``calc_params_l2_norm`` does.
     """
@@ -87,10 +89,11 @@ class ParamRegistry:
         model: Any = None,
         *,
         coords: RankCoords,
+        comm: Communicator,
         count_frozen: bool = True,
     ) -> None:
         chunks = _model_chunks(optimizer, model)
-        holdings = read_holdings(optimizer)
+        holdings = read_holdings(optimizer, comm)
         self.sees_frozen_params = chunks is not None
         self.records: list[ParamRecord] = _build_records(
             holdings, chunks, coords=coords, count_frozen=count_frozen

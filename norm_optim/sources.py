@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from .comm import Communicator
 from .errors import UnsupportedOptimizerError
 from .kernels import RemainderMaster, Summand
 
@@ -61,11 +62,13 @@ class _Context:
     # (DP×CP for dense params, expert-DP for expert ones): the global ranks of those groups.
     dense_assignment: Optional[frozenset[int]] = None
     expert_assignment: Optional[frozenset[int]] = None
+    # Global ranks of a process group, through the communication seam.
+    group_ranks: Callable[[Any], frozenset[int]] = lambda group: frozenset({0})
 
 
-def read_holdings(optimizer: Any) -> list[Holding]:
+def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
-    holdings = list(_read(optimizer, _Context()))
+    holdings = list(_read(optimizer, _Context(group_ranks=comm.group_ranks)))
     for holding in holdings:
         _refuse_fsdp(holding)
     return holdings
@@ -185,10 +188,11 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     layer_wise = hasattr(optimizer, "dp_cp_params_list")
     if layer_wise:
         groups = optimizer.pg_collection
-        ctx = _Context(
-            dense_assignment=_global_ranks(groups.dp_cp)
+        ctx = dataclasses.replace(
+            ctx,
+            dense_assignment=ctx.group_ranks(groups.dp_cp)
             if optimizer.dp_cp_params_list is not None else None,
-            expert_assignment=_global_ranks(groups.expt_dp)
+            expert_assignment=ctx.group_ranks(groups.expt_dp)
             if getattr(optimizer, "expt_dp_params_list", None) is not None else None,
         )
     seen: set[int] = set()
@@ -210,7 +214,7 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     # Replicas of a shard are told apart by the group the shards partition, not by the
     # optimizer's distributed_optimizer_instance_id: megatron leaves that id at 0 when the
     # parallel state has several instances but the DDP config says one.
-    shard_group = _global_ranks(optimizer.data_parallel_group)
+    shard_group = ctx.group_ranks(optimizer.data_parallel_group)
     held: set[int] = set()
     pairs = [
         (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, "main-shard"),
@@ -230,14 +234,6 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             if id(param) not in held:
                 held.add(id(param))
                 yield Holding(param, None, "no-local-shard", False, shard_group, name)
-
-
-def _global_ranks(group: Any) -> frozenset[int]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return frozenset({0})
-    return frozenset(dist.get_process_group_ranks(group))
 
 
 def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> tuple[Summand, str]:

@@ -14,7 +14,7 @@ import torch
 
 from .comm import Communicator, ProcessGroup, TorchCommunicator
 from .norm import NormReducer, ParamNorms, PendingNorms
-from .ownership import RankCoords
+from .ownership import RankCoords, check_reduce_group
 from .registry import ParamRegistry
 from .sources import fingerprint
 
@@ -83,6 +83,7 @@ class NormAwareOptimizer:
             if pg_collection is not None
             else RankCoords.from_parallel_state(self._comm)
         )
+        check_reduce_group(self._comm, group, pg_collection)
         self._reducer: Optional[NormReducer] = None
         self._fingerprint: tuple = ()
         self._names: Optional[list[tuple[str, bool]]] = None
@@ -147,7 +148,11 @@ class NormAwareOptimizer:
         watched = self._reducer.registry.watched if self._reducer is not None else ()
         if self._reducer is None or fingerprint(self._optimizer, watched) != self._fingerprint:
             registry = ParamRegistry(
-                self._optimizer, self._model, coords=self._coords, count_frozen=self._count_frozen
+                self._optimizer,
+                self._model,
+                coords=self._coords,
+                comm=self._comm,
+                count_frozen=self._count_frozen,
             )
             self._drop_reducer()  # keeps the gathered per-param names
             self._reducer = NormReducer(registry, self._comm, self._group, self._names)

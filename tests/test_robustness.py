@@ -489,3 +489,25 @@ def test_distributed_run_without_parallel_state_is_refused() -> None:
     with pytest.raises(RankFailedError, match="parallel state is not initialized") as e:
         run_ranks(body, 2)
     assert isinstance(e.value.__cause__, ParallelStateError)
+
+
+def _reduce_over_own_rank_only() -> str:
+    import torch.distributed as dist
+
+    from norm_optim import NormAwareOptimizer, ParallelStateError
+
+    init_parallel(tp=2)
+    chunks = build_model(DENSE, use_distributed_optimizer=True)
+    optimizer = build_optimizer(chunks)
+    singletons = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes all
+    try:
+        NormAwareOptimizer(optimizer, model=chunks, group=singletons[dist.get_rank()])
+    except ParallelStateError as error:
+        return str(error)
+    return "no error"
+
+
+def test_reduce_group_missing_model_ranks_is_refused() -> None:
+    """A group without the other TP rank would silently drop its shards."""
+    for rank, message in enumerate(run_ranks(_reduce_over_own_rank_only, 2, timeout=60)):
+        assert "group= lacks ranks" in message and str(1 - rank) in message, message
