@@ -94,6 +94,9 @@ class NormReducer:
         names: the gathered ``(layout-independent name, expert)`` list of a previous reducer of
             the same model. A registry may be rebuilt on some ranks only (their optimizer
             replaced tensors); reusing the names keeps the rebuild free of collectives.
+        warm_up: run the plan once now, so that the kernels' first-call costs (lazy imports,
+            the allocator growing for the scratch buffers) land at wrap time, not in the first
+            logged norm; a rebuild need not pay it again.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class NormReducer:
         comm: Communicator,
         group: ProcessGroup,
         names: Optional[list[tuple[str, bool]]] = None,
+        warm_up: bool = True,
     ) -> None:
         self.registry, self.comm, self.group = registry, comm, group
         self.device = comm.device(group)
@@ -114,9 +118,8 @@ class NormReducer:
             num_slots=2,
             out_device=self.device,
         )
-        # One dry run now, so that the kernels' first-call costs (lazy imports, the allocator
-        # growing for the scratch buffers) land at wrap time, not in the first logged norm.
-        self._split_plan()
+        if warm_up:
+            self._split_plan()
         self._per_param_plan: Optional[SumOfSquaresPlan] = None
         self.names = names
         self._labels: list[str] = []

@@ -155,7 +155,9 @@ class NormAwareOptimizer:
                 count_frozen=self._count_frozen,
             )
             self._drop_reducer()  # keeps the gathered per-param names
-            self._reducer = NormReducer(registry, self._comm, self._group, self._names)
+            self._reducer = NormReducer(
+                registry, self._comm, self._group, self._names, warm_up=not self._fingerprint
+            )
             self._fingerprint = fingerprint(self._optimizer, registry.watched)
         return self._reducer
 
