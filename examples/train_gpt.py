@@ -332,6 +332,8 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         else torch.device("cpu")
     chunks, optimizer, scheduler = build(args, device)
     log = TrainingLog(args, device)
+    if log.is_logger:  # what this rank sums for the norm, and why it skips the rest
+        print(f"> norm_optim on rank {dist.get_rank()}: {optimizer.registry.summary()}", flush=True)
     for iteration in range(args.iterations + 1):  # iteration 0 logs the initial weights only
         if iteration > 0:
             log.step(iteration, *train_step(args, iteration, chunks, optimizer, scheduler))
