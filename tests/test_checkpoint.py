@@ -21,9 +21,9 @@ What does not run on CPU with megatron-core 0.16.1, and why (``test_unsupported_
      results queue and forks one writer process per file, and a daemonic process
      (``run_ranks`` starts ranks with ``daemon=True``) raises ``AssertionError: daemonic
      processes are not allowed to have children``. We clear the flag in the rank, and give the
-     writer a ``fork`` queue instead of the Manager: the spawned Manager server outlives a rank
-     that ``run_ranks`` kills (timeout, or another rank failed; seen left running), and costs
-     ~3 s per save.
+     writer a ``fork`` queue with a synchronous ``put`` instead of the Manager: the spawned
+     Manager server outlives a rank that ``run_ranks`` kills (timeout, or another rank failed;
+     seen left running), and costs ~3 s per save.
   2. The hang (``torch_dist`` save stuck for the whole timeout): without ``psutil``
      (not installed here), each forked writer raises ``RuntimeError: psutil is not installed``
      from ``_process_memory()`` in ``FileSystemWriterAsync.write_preloaded_data``, which is
@@ -74,11 +74,23 @@ def _allow_sync_save() -> None:
     """Let megatron's synchronous ``torch_dist`` save run inside a ``run_ranks`` rank (see the
     module docstring for why each line is needed). The rank is a fresh process: nothing to undo."""
     import multiprocessing
+    import multiprocessing.queues
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    class SynchronousQueue(multiprocessing.queues.SimpleQueue):
+        """``put`` writes to the pipe before returning, as the Manager queue's does: a plain
+        ``Queue`` hands it to a feeder thread, and megatron's ``get_nowait`` right after the put
+        then found it empty now and then ("results_queue should not be empty")."""
+
+        def get_nowait(self) -> Any:
+            if self.empty():
+                raise queue.Empty
+            return self.get()
+
     multiprocessing.current_process().daemon = False  # the writer forks one process per file
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    filesystem_async._results_queue = SynchronousQueue(ctx=multiprocessing.get_context("fork"))
     if not filesystem_async.HAVE_PSUTIL:
         filesystem_async._process_memory = lambda: 0
 
