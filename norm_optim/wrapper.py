@@ -7,8 +7,7 @@ The wrapper holds no layout logic: it delegates everything to the wrapped optimi
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -18,25 +17,25 @@ from .ownership import RankCoords, check_reduce_group
 from .registry import ParamRegistry
 from .sources import fingerprint
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
 _OWN_ATTRIBUTES = frozenset(
     {"_optimizer", "_model", "_count_frozen", "_pg_collection", "_group", "_comm", "_coords",
      "_reducer", "_fingerprint", "_names"}
 )
 
 
-def _replaces_tensors(method: _F) -> _F:
-    """Mark a delegated method after which the optimizer's tensors may be new objects."""
+def _replaces_tensors(name: str) -> Callable[..., Any]:
+    """The wrapped optimizer's method ``name``, after which its tensors may be new objects:
+    the registry is dropped (and rebuilt at the next call) whatever the method returns."""
 
-    @functools.wraps(method)
-    def wrapper(self: "NormAwareOptimizer", *args: Any, **kwargs: Any) -> Any:
+    def method(self: "NormAwareOptimizer", *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            return getattr(self._optimizer, name)(*args, **kwargs)
         finally:
             self._drop_reducer()
 
-    return wrapper  # type: ignore[return-value]
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The wrapped optimizer's ``{name}``; the registry is then rebuilt."
+    return method
 
 
 class NormAwareOptimizer:
@@ -162,38 +161,15 @@ class NormAwareOptimizer:
         return self._reducer
 
     # ---------------------------------------------------------------- delegation
+    # Everything not defined here (step, zero_grad, state_dict, sharded_state_dict,
+    # get_grad_norm, ...) reaches the wrapped optimizer through __getattr__. These may replace
+    # the optimizer's tensors, so the registry is rebuilt after them:
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.step(*args, **kwargs)
-
-    def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.zero_grad(*args, **kwargs)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.state_dict(*args, **kwargs)
-
-    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.sharded_state_dict(*args, **kwargs)
-
-    @_replaces_tensors
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.load_state_dict(*args, **kwargs)
-
-    @_replaces_tensors
-    def reload_model_params(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.reload_model_params(*args, **kwargs)
-
-    @_replaces_tensors
-    def load_parameter_state(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.load_parameter_state(*args, **kwargs)
-
-    @_replaces_tensors
-    def offload_to_cpu(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.offload_to_cpu(*args, **kwargs)
-
-    @_replaces_tensors
-    def restore_from_cpu(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.restore_from_cpu(*args, **kwargs)
+    load_state_dict = _replaces_tensors("load_state_dict")
+    reload_model_params = _replaces_tensors("reload_model_params")
+    load_parameter_state = _replaces_tensors("load_parameter_state")
+    offload_to_cpu = _replaces_tensors("offload_to_cpu")
+    restore_from_cpu = _replaces_tensors("restore_from_cpu")
 
     @property
     def param_groups(self) -> Any:
