@@ -67,6 +67,7 @@ class PrecisionAwareAdamStandIn(torch.optim.AdamW):
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         store_param_remainders: bool = False,
+        capturable: bool = False,  # megatron-core >= 0.17.1 passes it (CUDA graphs); no-op here
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         torch.optim.Optimizer.__init__(self, params, defaults)

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.versions import megatron_at_least
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
 from precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
@@ -112,6 +113,10 @@ def _layer_wise(chunks: list) -> Any:
 
     config = _config(bf16=False, use_distributed_optimizer=False)
     leaves = get_megatron_optimizer(config, chunks).chained_optimizers
+    if megatron_at_least(0, 18, 2):
+        # Since 0.18.2 it takes the base torch optimizers and wraps them itself (it refuses
+        # FP32Optimizer / Float16 leaves).
+        leaves = [leaf.optimizer for leaf in leaves]
     config.bf16 = True
     return GlooLayerWise(leaves, config, ProcessGroupCollection.use_mpu_process_groups())
 
