@@ -22,6 +22,7 @@ import torch
 from .comm import Communicator
 from .errors import UnsupportedOptimizerError
 from .kernels import RemainderMaster, Summand
+from .versions import megatron_core_version_string
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
 
@@ -44,6 +45,7 @@ class Holding:
             over dense DP while expert-DP replicates them), each such group holds a full set of
             shards, and only the one holding the replicating group's first rank counts.
         optimizer: class name of the leaf optimizer that holds it.
+        offset: where ``tensor`` starts in the flattened param (a shard's start; 0 otherwise).
     """
 
     param: torch.nn.Parameter
@@ -52,6 +54,7 @@ class Holding:
     replicated: bool
     shard_group: Optional[frozenset[int]] = None
     optimizer: str = ""
+    offset: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,17 +155,26 @@ def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     if getattr(getattr(optimizer, "ddp_config", None), "use_megatron_fsdp", False):
         # Megatron FSDP's DistributedOptimizer returns from __init__ before building shards.
         raise _fsdp_error(type(optimizer).__name__)
+    for matches, why in _REFUSED:
+        if matches(optimizer):
+            raise UnsupportedOptimizerError(
+                f"{_class_name(optimizer)} ({megatron_core_version_string()}): {why}"
+            )
     for matches, reader in _READERS:
         if matches(optimizer):
             yield from reader(optimizer, ctx)
             return
     raise UnsupportedOptimizerError(
-        f"norm_optim cannot read the fp32 tensors of a {type(optimizer).__module__}."
-        f"{type(optimizer).__qualname__}: supported are megatron-core's ChainedOptimizer, "
+        f"norm_optim cannot read the fp32 tensors of a {_class_name(optimizer)} "
+        f"({megatron_core_version_string()}): supported are megatron-core's ChainedOptimizer, "
         "DistributedOptimizer (incl. precision-aware and CPU-offload), "
         "Float16OptimizerWithFloat16Params, FP32Optimizer, LayerWiseDistributedOptimizer, and "
         "plain torch.optim.Optimizer instances"
     )
+
+
+def _class_name(optimizer: Any) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +239,8 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
                 if shard is None and _is_precision_aware(optimizer):
                     shard, how = _precision_aware_master(optimizer, param)
                 held.add(id(param))
-                yield Holding(param, shard, how, False, shard_group, name)
+                offset = optimizer._get_model_param_range_map(param)["param"].start
+                yield Holding(param, shard, how, False, shard_group, name, offset)
     # Params of this optimizer's buffers with no shard on this rank.
     for buffer in getattr(optimizer, "buffers", []):
         for param in buffer.params:
@@ -313,6 +326,16 @@ def _is_fp32_optimizer(optimizer: Any) -> bool:
     names = {cls.__name__ for cls in type(optimizer).__mro__}
     return "FP32Optimizer" in names or isinstance(optimizer, torch.optim.Optimizer)
 
+
+# Kinds recognised and refused, each with the reason: reading them as another kind would give a
+# silent wrong number (a MimoOptimizer looks like a stub: optimizer is None).
+_REFUSED: tuple[tuple[Callable[[Any], bool], str], ...] = (
+    (
+        lambda o: hasattr(o, "module_infos") and hasattr(o, "_active_optimizers"),
+        "MimoModel's optimizer gives each module (encoders, language model) its own process "
+        "groups, which norm_optim does not read yet; wrap it only once it is supported",
+    ),
+)
 
 # Order matters: a chained optimizer may itself look like a stub; a stub holds nothing whatever
 # its kind.

@@ -16,6 +16,7 @@ from .norm import NormReducer, ParamNorms, PendingNorms
 from .ownership import RankCoords, check_reduce_group
 from .registry import ParamRegistry
 from .sources import fingerprint
+from .versions import warn_if_untested
 
 _OWN_ATTRIBUTES = frozenset(
     {"_optimizer", "_model", "_count_frozen", "_pg_collection", "_group", "_comm", "_coords",
@@ -71,6 +72,7 @@ class NormAwareOptimizer:
     ) -> None:
         if isinstance(optimizer, NormAwareOptimizer):
             raise TypeError("the optimizer is already a NormAwareOptimizer; wrap it once")
+        warn_if_untested()
         object.__setattr__(self, "_optimizer", optimizer)
         self._model = model
         self._count_frozen = count_frozen
