@@ -15,7 +15,6 @@ from typing import Iterator, Sequence
 
 import torch
 
-_WRAPPER_PREFIX = "module."
 _NUMBERED_WEIGHT = re.compile(r"^(weight|bias)(\d+)$")
 
 
@@ -52,60 +51,3 @@ def _walk(
             yield from _walk(child, "", experts)
             continue
         yield from _walk(child, f"{prefix}{child_name}.", experts)
-
-
-def expert_param_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
-    """``id`` of every param that lives in an expert layer, whatever the expert-parallel size.
-
-    megatron marks expert params ``allreduce=False`` only when EP > 1; at EP = 1 they look dense
-    but are still split by the expert-TP group and replicated over expert-DP (which differ from
-    TP and DP when ETP != TP). Expert layers are the modules megatron builds with
-    ``is_expert=True`` and those under a ``.experts`` submodule of an MoE layer.
-    """
-    ids: set[int] = set()
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if getattr(module, "is_expert", False) is True or name.split(".")[-1] == "experts":
-                ids.update(id(p) for p in module.parameters())
-    return ids
-
-
-# Megatron's tensor-parallel layers and which of their params they split over the TP (or, in
-# expert layers, the expert-TP) group. Megatron marks split params ``tensor_model_parallel=True``
-# only inside its weight-initialization helpers, so with ``perform_initialization=False`` (as when
-# loading a checkpoint) the weights carry no marker; the layer type still says how it splits.
-_SPLIT_BY_LAYER: dict[str, tuple[str, ...]] = {
-    "VocabParallelEmbedding": ("weight",),
-    "ColumnParallelLinear": ("weight", "bias"),
-    "RowParallelLinear": ("weight",),
-    "TEColumnParallelLinear": ("weight", "bias"),
-    "TELayerNormColumnParallelLinear": ("weight", "bias"),
-    "TERowParallelLinear": ("weight",),
-    "TEColumnParallelGroupedLinear": ("weight", "bias"),
-    "TERowParallelGroupedLinear": ("weight",),
-    "GroupedMLP": ("weight1", "weight2"),
-}
-
-
-def tensor_parallel_split_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
-    """``id`` of every param that a megatron tensor-parallel layer splits across its TP group.
-
-    Grouped layers number their params (``weight0``, ``weight1``...): a name counts when it is a
-    split name followed by digits, except for ``GroupedMLP``, whose ``weight1``/``weight2`` are
-    the names themselves.
-    """
-    ids: set[int] = set()
-    for chunk in chunks:
-        for module in chunk.modules():
-            split = next(
-                (_SPLIT_BY_LAYER[c.__name__] for c in type(module).__mro__
-                 if c.__name__ in _SPLIT_BY_LAYER),
-                None,
-            )
-            if split is None:
-                continue
-            for name, param in module.named_parameters(recurse=False):
-                base = name if name in split else name.rstrip("0123456789")
-                if base in split:
-                    ids.add(id(param))
-    return ids

@@ -18,6 +18,9 @@ several dist-opt instances the shard group that holds the              ``Holding
 sharded over dense DP)
 layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
                                                                           is False
+GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sharded``: params
+(megatron-core >= 0.19)    for params GTP does not shard; a sharded     GTP shards on dim 0;
+                           param's zero pad rows count as nothing       pads trimmed (registry)
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================
@@ -28,7 +31,8 @@ A new layout is a new row here, not a new code path elsewhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import inspect
+from typing import Any, Optional
 
 import torch
 
@@ -43,10 +47,15 @@ class RankCoords:
     Attributes:
         tp: rank in the tensor-parallel group.
         expert_tp: rank in the expert-tensor-parallel group.
-        dp_cp: rank in the full data×context-parallel group (all optimizer instances).
-        expert_dp: rank in the full expert-data-parallel group (all optimizer instances).
+        dp_cp: rank in the full data×context-parallel group (all optimizer instances), without
+            the GTP weight-remat axis (megatron's replicate group, ``with_gtp_remat=False``).
+        expert_dp: rank in the full expert-data-parallel group (all optimizer instances),
+            without the expert GTP axis.
         dp_cp_first, expert_dp_first: global rank of rank 0 of those groups (the replica that
             counts a param sharded over a smaller group).
+        gtp, expert_gtp: rank in the (expert) GTP weight-remat group (megatron-core >= 0.19),
+            whose peers hold different dim-0 shards of the weights it shards and copies of
+            every other param.
         expert_groups_known: False when an explicit ``pg_collection`` lacks ``expt_tp`` or
             ``expt_dp``: expert params then cannot be counted.
         experts_need_model: True at EP = 1 with expert-TP / expert-DP groups that differ from
@@ -60,6 +69,8 @@ class RankCoords:
     expert_dp: int = 0
     dp_cp_first: int = 0
     expert_dp_first: int = 0
+    gtp: int = 0
+    expert_gtp: int = 0
     expert_groups_known: bool = True
     experts_need_model: bool = False
 
@@ -80,43 +91,59 @@ class RankCoords:
                     "before wrapping the optimizer, or pass pg_collection=..."
                 )
             return cls()
-        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        expert_dp_group = ps.get_expert_data_parallel_group(check_initialized=False)
+        # Since 0.19 the DP getters include the GTP weight-remat axis by default; the
+        # distributed optimizer shards (and replicas are told apart) over the group without it.
+        replicate = _without_gtp_remat
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True, **replicate(ps))
+        expert_dp_group = ps.get_expert_data_parallel_group(
+            check_initialized=False, **replicate(ps)
+        )
         tp_size = ps.get_tensor_model_parallel_world_size()
         return cls(
             tp=ps.get_tensor_model_parallel_rank(),
             expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
-            dp_cp=ps.get_data_parallel_rank(with_context_parallel=True),
-            expert_dp=ps.get_expert_data_parallel_rank(),
+            dp_cp=ps.get_data_parallel_rank(with_context_parallel=True, **replicate(ps)),
+            expert_dp=ps.get_expert_data_parallel_rank(**replicate(ps)),
             dp_cp_first=comm.first_rank(dp_cp_group),
             expert_dp_first=comm.first_rank(expert_dp_group),
+            gtp=_gtp_rank(ps, "get_gtp_weight_remat_group", comm),
+            expert_gtp=_gtp_rank(ps, "get_expert_gtp_weight_remat_group", comm),
             experts_need_model=ps.get_expert_model_parallel_world_size() == 1
             and (
                 (ps.get_expert_tensor_parallel_world_size() or tp_size) != tp_size
-                or ps.get_expert_data_parallel_world_size()
-                != ps.get_data_parallel_world_size(with_context_parallel=True)
+                or ps.get_expert_data_parallel_world_size(**replicate(ps))
+                != ps.get_data_parallel_world_size(with_context_parallel=True, **replicate(ps))
             ),
         )
 
     @classmethod
     def from_pg_collection(cls, pg_collection: object, comm: Communicator) -> "RankCoords":
-        """Read the coordinates from an explicit megatron ``ProcessGroupCollection``."""
-        missing = [name for name in ("tp", "dp_cp") if not hasattr(pg_collection, name)]
+        """Read the coordinates from an explicit megatron ``ProcessGroupCollection``.
+
+        Its ``dp_cp`` / ``expt_dp`` are megatron's replicate groups (without the GTP axis), its
+        ``gtp_remat`` / ``expt_gtp_remat`` the GTP weight-remat groups (megatron-core >= 0.19).
+        """
+        # Since 0.19 a collection reads every declared but unset field as None (a class
+        # __getattr__), so presence is a value check, not hasattr.
+        def group(name: str) -> Any:
+            return getattr(pg_collection, name, None)
+
+        missing = [name for name in ("tp", "dp_cp") if group(name) is None]
         if missing:
             raise ParallelStateError(
                 f"pg_collection lacks the process groups {missing}; it needs at least tp and "
                 "dp_cp (and expt_tp, expt_dp for MoE models)"
             )
-        tp_group = pg_collection.tp  # type: ignore[attr-defined]
-        dp_cp_group = pg_collection.dp_cp  # type: ignore[attr-defined]
-        expert_tp_group = getattr(pg_collection, "expt_tp", None)
-        expert_dp_group = getattr(pg_collection, "expt_dp", None)
-        ep_group = getattr(pg_collection, "ep", None)
+        tp_group, dp_cp_group = group("tp"), group("dp_cp")
+        expert_tp_group, expert_dp_group, ep_group = group("expt_tp"), group("expt_dp"), group("ep")
+        gtp = _rank_or_zero(comm, group("gtp_remat"))
+        expert_gtp = _rank_or_zero(comm, group("expt_gtp_remat"))
         if expert_tp_group is None or expert_dp_group is None:
             return cls(
                 tp=comm.rank(tp_group),
                 dp_cp=comm.rank(dp_cp_group),
                 dp_cp_first=comm.first_rank(dp_cp_group),
+                gtp=gtp,
                 expert_groups_known=False,
             )
         return cls(
@@ -131,7 +158,25 @@ class RankCoords:
                 comm.size(expert_tp_group) != comm.size(tp_group)
                 or comm.size(expert_dp_group) != comm.size(dp_cp_group)
             ),
+            gtp=gtp,
+            expert_gtp=expert_gtp,
         )
+
+
+def _without_gtp_remat(ps: Any) -> dict[str, bool]:
+    """``with_gtp_remat=False`` where megatron's DP getters take it (0.19+), else nothing."""
+    takes = "with_gtp_remat" in inspect.signature(ps.get_data_parallel_rank).parameters
+    return {"with_gtp_remat": False} if takes else {}
+
+
+def _gtp_rank(ps: Any, getter: str, comm: Communicator) -> int:
+    """This rank's place in a GTP weight-remat group (0 where megatron has none)."""
+    get_group = getattr(ps, getter, None)
+    return _rank_or_zero(comm, get_group(check_initialized=False) if get_group else None)
+
+
+def _rank_or_zero(comm: Communicator, group: Any) -> int:
+    return comm.rank(group) if group is not None else 0
 
 
 def check_reduce_group(comm: Communicator, group: object, pg_collection: object = None) -> None:
@@ -144,7 +189,7 @@ def check_reduce_group(comm: Communicator, group: object, pg_collection: object 
     if group is None or not comm.is_distributed():
         return
     if pg_collection is not None:
-        names = ("tp", "pp", "dp_cp", "ep", "expt_dp")
+        names = ("tp", "pp", "dp_cp", "ep", "expt_dp", "gtp_remat", "expt_gtp_remat")
         groups = [getattr(pg_collection, name, None) for name in names]
     else:
         from megatron.core import parallel_state as ps
@@ -157,6 +202,7 @@ def check_reduce_group(comm: Communicator, group: object, pg_collection: object 
             ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_expert_model_parallel_group(check_initialized=False),
             ps.get_expert_data_parallel_group(check_initialized=False),
+            getattr(ps, "get_gtp_weight_remat_group", lambda **_: None)(check_initialized=False),
         ]
     held = set().union(*(comm.group_ranks(g) for g in groups if g is not None))
     missing = sorted(held - comm.group_ranks(group))
@@ -181,6 +227,7 @@ def why_not_counted(
     replicated: bool,
     coords: RankCoords,
     shard_group: Optional[frozenset[int]] = None,
+    gtp_sharded: bool = False,
 ) -> Optional[str]:
     """The reason this rank must not count ``param``'s tensor, or None if it counts it.
 
@@ -196,12 +243,17 @@ def why_not_counted(
         shard_group: for a distributed-optimizer shard, the global ranks of the group the param
             is sharded over. Groups like it partition the replicating (expert) data-parallel
             group, each holding a full set of shards; the one holding its first rank counts.
+        gtp_sharded: whether the (expert) GTP weight-remat group shards the param; if not, GTP
+            ranks other than 0 hold copies.
     """
     if getattr(param, "shared", False):
         return "shared"
     tp_rank = coords.expert_tp if expert else coords.tp
     if not tp_split and tp_rank != 0:
         return "tp-duplicate"
+    gtp_rank = coords.expert_gtp if expert else coords.gtp
+    if not gtp_sharded and gtp_rank != 0:
+        return "gtp-duplicate"
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:
         return "dp-replica"

@@ -15,9 +15,9 @@ import torch
 from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
-from .naming import expert_param_ids, tensor_parallel_split_ids
 from .ownership import RankCoords, why_not_counted
 from .sources import Holding, read_holdings
+from .traits import ModelStructure, param_traits, without_padding
 
 DENSE, EXPERT = 0, 1
 """Slots of the dense and expert sums of squares in every reduced vector."""
@@ -96,7 +96,7 @@ class ParamRegistry:
         holdings = read_holdings(optimizer, comm)
         self.sees_frozen_params = chunks is not None
         self.records: list[ParamRecord] = _build_records(
-            holdings, chunks, coords=coords, count_frozen=count_frozen
+            holdings, chunks, coords=coords, comm=comm, count_frozen=count_frozen
         )
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = chunks
@@ -171,6 +171,7 @@ def _build_records(
     chunks: Optional[Sequence[torch.nn.Module]],
     *,
     coords: RankCoords,
+    comm: Communicator,
     count_frozen: bool,
 ) -> list[ParamRecord]:
     by_param: dict[int, Holding] = {}
@@ -193,10 +194,10 @@ def _build_records(
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
-        structure = _Structure(experts=set(), tp_split=set())
+        structure = ModelStructure()
     else:
         named = named_model_params(chunks)
-        structure = _Structure(expert_param_ids(chunks), tensor_parallel_split_ids(chunks))
+        structure = ModelStructure.of(chunks)
 
     records: list[ParamRecord] = []
     for name, param in named:
@@ -211,10 +212,10 @@ def _build_records(
             holding = Holding(param, param, "frozen", replicated=True)
             if not count_frozen:
                 records.append(
-                    _record(name, holding, coords, structure, forced_reason="frozen-excluded")
+                    _record(name, holding, coords, structure, comm, forced_reason="frozen-excluded")
                 )
                 continue
-        records.append(_record(name, holding, coords, structure))
+        records.append(_record(name, holding, coords, structure, comm))
 
     if not coords.expert_groups_known and any(r.expert for r in records):
         raise ParallelStateError(
@@ -230,28 +231,28 @@ def _build_records(
     return records
 
 
-@dataclasses.dataclass(frozen=True)
-class _Structure:
-    """What the model's module structure says about params (ids), beyond megatron's markers."""
-
-    experts: set[int]
-    tp_split: set[int]
-
-
 def _record(
     name: str,
     holding: Holding,
     coords: RankCoords,
-    structure: _Structure,
+    structure: ModelStructure,
+    comm: Communicator,
     forced_reason: Optional[str] = None,
 ) -> ParamRecord:
-    param, tensor = holding.param, holding.tensor
-    # Megatron's own marker (EP > 1), or the model's structure (also at EP = 1).
-    expert = not getattr(param, "allreduce", True) or id(param) in structure.experts
-    # Megatron's marker when the param has one, else the layer type (see naming).
-    tp_split = getattr(param, "tensor_model_parallel", None)
-    if tp_split is None:
-        tp_split = id(param) in structure.tp_split
+    param = holding.param
+    traits = param_traits(param, structure, comm)
+    if holding.shard_group is not None and len(holding.shard_group & traits.gtp_peers) > 1:
+        # Megatron's own layout is inconsistent: seen with expert GTP at EP > 1 on the local spec
+        # (0.19.2), where the GTP weights lose allreduce=False and land in the dense optimizer.
+        raise ParallelStateError(
+            f"{holding.optimizer} shards {name!r} over ranks {sorted(holding.shard_group)}, "
+            f"which hold different GTP shards of it (GTP group {sorted(traits.gtp_peers)}): its "
+            "fp32 shards do not cover the weight, so no norm of it is exact. Is the param missing "
+            "megatron's allreduce=False expert marker?"
+        )
+    tensor = holding.tensor
+    if tensor is not None:
+        tensor = without_padding(tensor, holding.offset, param, traits.padding)
     if forced_reason is not None:
         reason: Optional[str] = forced_reason
     elif tensor is None:
@@ -259,11 +260,12 @@ def _record(
     else:
         reason = why_not_counted(
             param,
-            expert=expert,
-            tp_split=bool(tp_split),
+            expert=traits.expert,
+            tp_split=traits.tp_split,
             replicated=holding.replicated,
             coords=coords,
             shard_group=holding.shard_group,
+            gtp_sharded=traits.gtp_sharded,
         )
     sharded = tensor is not None and tensor.numel() != param.numel()
     return ParamRecord(
@@ -271,7 +273,7 @@ def _record(
         param=param,
         tensor=tensor,
         source=holding.source,
-        expert=expert,
+        expert=traits.expert,
         sharded=sharded or holding.source.endswith("shard"),
         counted=reason is None,
         reason=reason,

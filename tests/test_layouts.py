@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing import RankFailedError, init_parallel, run_ranks
+from norm_optim.versions import megatron_at_least
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
 
@@ -29,6 +30,10 @@ REL = 1e-6
 
 DENSE = TinyGPTConfig(hidden_size=32, num_layers=4, num_attention_heads=4, vocab_size=64)
 MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
+# GTP pads dim 0 of each weight it shards to a multiple of 16 x GTP size: hidden 48 leaves pad rows
+# (qkv 144 -> 160 rows, proj / fc2 48 -> 64), some shards all padding at TP2.
+GTP_DENSE = dataclasses.replace(DENSE, hidden_size=48, ffn_hidden_size=96)
+GTP_MOE = dataclasses.replace(GTP_DENSE, num_experts=4, moe_ffn_hidden_size=40)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +52,22 @@ class Layout:
     fp32_params: tuple[str, ...] = ()
     # Read the coordinates from an explicit ProcessGroupCollection, not the global state.
     pg_collection: bool = False
+    # GTP weight remat (megatron-core >= 0.19): dense and expert GTP sizes (part of DP).
+    gtp: int = 1
+    egtp: int = 1
+    dist_opt_refused: bool = False
 
     def parallel(self) -> dict[str, Any]:
+        gtp = {"gtp_remat_size": self.gtp} if self.gtp > 1 else {}
+        if self.egtp > 1:
+            gtp["expert_gtp_remat_size"] = self.egtp
         return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
-                    num_distributed_optimizer_instances=self.instances)
+                    num_distributed_optimizer_instances=self.instances, **gtp)
+
+    def marks(self) -> list[Any]:
+        if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
+            return [pytest.mark.skip(reason="GTP weight remat exists since megatron-core 0.19")]
+        return []
 
 
 LAYOUTS = {
@@ -89,12 +106,27 @@ LAYOUTS = {
     "tp2-cp2-ep2-etp1": Layout(8, MOE, tp=2, cp=2, ep=2, etp=1),
     "tp4-ep2-etp2": Layout(8, MOE, tp=4, ep=2, etp=2),
     "tp2-ep2-2instances": Layout(8, MOE, tp=2, ep=2, etp=1, instances=2),
+    # GTP weight remat: TP-split weights sharded (and padded) over the GTP group, other params
+    # copied on every GTP peer; the distributed optimizer shards over DP without the GTP axis.
+    "gtp2-dp2": Layout(4, GTP_DENSE, gtp=2),
+    "gtp4": Layout(4, GTP_DENSE, gtp=4),
+    "tp2-gtp2": Layout(4, GTP_DENSE, tp=2, gtp=2),
+    "pp2-gtp2": Layout(4, GTP_DENSE, pp=2, gtp=2),
+    "gtp2-dp2-pg-collection": Layout(4, GTP_DENSE, gtp=2, pg_collection=True),
+    "ep2-gtp2": Layout(4, GTP_MOE, ep=2, gtp=2),
+    # Expert GTP at EP 2 on the local spec: megatron (0.19.2) drops the experts' allreduce=False
+    # when it wraps them as GTP shards; the distributed optimizer then shards different GTP
+    # shards as if they were replicas (refused: test_expert_gtp_sharded_as_replicas_is_refused).
+    "ep2-egtp2": Layout(4, GTP_MOE, ep=2, gtp=2, egtp=2, dist_opt_refused=True),
+    "tp2-ep2-egtp2": Layout(8, GTP_MOE, tp=2, ep=2, etp=1, gtp=2, egtp=2),
 }
 CASES = [
-    pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}")
+    pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}",
+                 marks=layout.marks())
     for name, layout in LAYOUTS.items()
     for dist_opt in (True, False)
-    if dist_opt or layout.instances == 1  # several instances exist only with the dist. optimizer
+    # Several instances exist only with the distributed optimizer.
+    if (dist_opt or layout.instances == 1) and not (dist_opt and layout.dist_opt_refused)
 ]
 
 
@@ -205,6 +237,22 @@ def test_param_norm_matches_unparallel_oracle(
     assert any(r["counted_anything"] for r in results)
 
 
+def _build_and_wrap(layout: Layout, dist_opt: bool) -> None:
+    from norm_optim import NormAwareOptimizer
+
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, seed=SEED)
+    NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+
+
+@pytest.mark.skipif(not megatron_at_least(0, 19), reason="GTP exists since megatron-core 0.19")
+def test_expert_gtp_sharded_as_replicas_is_refused() -> None:
+    """No exact norm exists when the distributed optimizer shards over ranks holding different
+    GTP shards of a weight: a clear error on every rank, not a number."""
+    with pytest.raises(RankFailedError, match="ParallelStateError: .* hold different GTP shards"):
+        run_ranks(_build_and_wrap, 4, LAYOUTS["ep2-egtp2"], True)
+
+
 # ------------------------------------------------------------------ without weight init
 
 UNINITIALIZED = {
@@ -242,8 +290,13 @@ def test_layers_without_weight_init_are_still_split(name: str, dist_opt: bool) -
     results = run_ranks(_uninitialized_rank_body, layout.world, layout, dist_opt, timeout=180)
     for rank, (norm, _) in enumerate(results):
         assert norm == pytest.approx(expected, rel=REL), f"rank {rank}"
-    # The case under test: megatron did leave (most) weights unmarked.
     initialized = run_ranks(_uninitialized_rank_body, layout.world,
                             dataclasses.replace(layout, cfg=dataclasses.replace(
                                 layout.cfg, perform_initialization=True)), dist_opt)
-    assert results[0][1] < initialized[0][1]
+    if megatron_at_least(0, 18, 2):
+        # Since 0.18.2 megatron marks split weights whatever perform_initialization says; the
+        # norm must (and does, above) stay exact either way.
+        assert results[0][1] == initialized[0][1]
+    else:
+        # The case under test: megatron did leave (most) weights unmarked.
+        assert results[0][1] < initialized[0][1]

@@ -28,6 +28,7 @@ from norm_optim import (
     UnsupportedOptimizerError,
 )
 from norm_optim.testing import cpu_shim
+from norm_optim.versions import megatron_at_least
 
 
 class TinyMoE(torch.nn.Module):
@@ -263,10 +264,27 @@ def test_model_must_be_modules() -> None:
         NormAwareOptimizer(inner, model=[object()])
 
 
-def test_pg_collection_without_groups_is_refused() -> None:
+def _pg_collection(**groups: object) -> object:
+    """A real megatron ``ProcessGroupCollection`` with only ``groups`` set (placeholders: one
+    process without torch.distributed never reads a group)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    collection = ProcessGroupCollection()
+    for name, group in groups.items():
+        setattr(collection, name, group)
+    return collection
+
+
+@pytest.mark.parametrize(
+    "groups", [None, {}, {"tp": "tp-group"}], ids=["not-a-collection", "empty", "tp-only"]
+)
+def test_pg_collection_without_groups_is_refused(groups: dict | None) -> None:
+    """Since megatron-core 0.19 unset fields of a collection read as None (no AttributeError):
+    an empty or partial collection once gave a silently wrong norm there."""
     inner = float16_optimizer(TinyMoE())
-    with pytest.raises(ParallelStateError, match="tp"):
-        NormAwareOptimizer(inner, pg_collection=object())
+    pg_collection = object() if groups is None else _pg_collection(**groups)
+    with pytest.raises(ParallelStateError, match="dp_cp"):
+        NormAwareOptimizer(inner, pg_collection=pg_collection)
 
 
 def test_empty_model_warns_and_gives_zero() -> None:
@@ -352,16 +370,25 @@ def test_megatron_fsdp_optimizer_is_refused_by_name() -> None:
         NormAwareOptimizer(DistributedOptimizer())
 
 
+@pytest.mark.skipif(not megatron_at_least(0, 19), reason="MimoOptimizer exists since megatron-core 0.19")
+def test_mimo_optimizer_is_refused_by_class() -> None:
+    """A MimoOptimizer has ``optimizer = None`` like a stub: read as one it gave a norm of 0."""
+    from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+
+    model = TinyMoE()
+    info = ModuleOptimizerInfo(float16_optimizer(model), None, None, True)
+    mimo = MimoOptimizer({"language_model": info}, OptimizerConfig(optimizer="adam", bf16=True))
+    with pytest.raises(UnsupportedOptimizerError, match=r"MimoOptimizer \(megatron-core 0\.\d+"):
+        NormAwareOptimizer(mimo, model=model)
+
+
 def test_pg_collection_without_expert_groups_is_refused_for_moe() -> None:
     """Without expt_tp / expt_dp, expert params would be counted by the dense rules."""
 
-    class DenseGroupsOnly:  # a ProcessGroupCollection's fields are optional (init=False)
-        tp = None
-        dp_cp = None
-
+    dense_groups_only = _pg_collection(tp="tp-group", dp_cp="dp-cp-group")
     model = TinyMoE()
     with pytest.raises(ParallelStateError, match="expt_tp"):
-        NormAwareOptimizer(float16_optimizer(model), model=model, pg_collection=DenseGroupsOnly())
+        NormAwareOptimizer(float16_optimizer(model), model=model, pg_collection=dense_groups_only)
 
 
 def test_ep1_experts_need_the_model_when_expert_groups_differ() -> None:

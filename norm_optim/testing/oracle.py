@@ -44,6 +44,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _TIED_OUTPUT = "output_layer.weight"
 _WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+# What fill_deterministic_ writes into GTP pad rows (megatron keeps them zero).
+_PADDING_VALUE = 1.0
 # Generate the oracle in slices of this many elements, to bound its memory.
 _ORACLE_SLICE = 1 << 22
 
@@ -100,33 +102,65 @@ def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
+def _gtp_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """For a GTP weight-remat shard (megatron-core >= 0.19): (its first row in the TP-local
+    weight, the TP-local weight's real row count); None for other params.
+
+    GTP pads dim 0 of the TP-local weight with ``pad_length`` rows and gives GTP rank ``r`` rows
+    ``[r·s, (r+1)·s)``: the pad rows are the last ones.
+    """
+    if not getattr(param, "is_gtp_weight_remat", False):
+        return None
+    group = getattr(param, "group")
+    rows = param.shape[0]
+    size = torch.distributed.get_world_size(group)
+    return torch.distributed.get_rank(group) * rows, rows * size - int(getattr(param, "pad_length"))
+
+
+def _tp_local_shape(param: torch.Tensor) -> list[int]:
+    """The param's shape before GTP sharded it (its shape, for other params)."""
+    shape = list(param.shape)
+    gtp = _gtp_rows(param)
+    if gtp is not None:
+        shape[0] = gtp[1]
+    return shape
+
+
 def _global_shape(name: str, param: torch.Tensor) -> tuple[int, ...]:
     _, size = _tp_rank_and_size(name, param)
-    shape = list(param.shape)
+    shape = _tp_local_shape(param)
     if size > 1:
         shape[getattr(param, "partition_dim")] *= size
     return tuple(shape)
 
 
-def _global_flat_index(name: str, param: torch.Tensor) -> torch.Tensor:
-    """The index of each local element in the flattened global tensor (local shape, int64).
+def _global_flat_index(name: str, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index of each local element in the flattened global tensor (local shape, int64), and
+    a mask of the local elements that are GTP padding (not part of the model).
 
     Megatron splits the partition dim into ``size * stride`` blocks and gives rank ``r`` blocks
-    ``r, r + size, ...`` (``_initialize_affine_weight_cpu``).
+    ``r, r + size, ...`` (``_initialize_affine_weight_cpu``); GTP then shards dim 0 of that.
     """
     rank, size = _tp_rank_and_size(name, param)
     global_shape = _global_shape(name, param)
+    tp_local = _tp_local_shape(param)
+    gtp = _gtp_rows(param)
     strides = torch.empty(global_shape, device="meta").stride()
     index = torch.zeros(param.shape, dtype=torch.int64)
+    padding = torch.zeros(param.shape, dtype=torch.bool)
     for dim, length in enumerate(param.shape):
         coord = torch.arange(length, dtype=torch.int64)
-        if size > 1 and dim == getattr(param, "partition_dim"):
-            block = length // getattr(param, "partition_stride", 1)
-            coord = ((coord // block) * size + rank) * block + coord % block
         view = [1] * param.dim()
         view[dim] = length
+        if dim == 0 and gtp is not None:
+            coord = coord + gtp[0]
+            padding |= (coord >= gtp[1]).view(view)
+            coord = coord.clamp(max=gtp[1] - 1)
+        if size > 1 and dim == getattr(param, "partition_dim"):
+            block = tp_local[dim] // getattr(param, "partition_stride", 1)
+            coord = ((coord // block) * size + rank) * block + coord % block
         index += coord.view(view) * strides[dim]
-    return index
+    return index, padding
 
 
 def _integer_values(name: str, seed: int, flat_index: torch.Tensor) -> torch.Tensor:
@@ -151,8 +185,10 @@ def fill_deterministic_(
             or sharded) are refreshed from the new model values; otherwise call it yourself.
     """
     for name, param in named_global_parameters(model_chunks):
-        values = _integer_values(name, seed, _global_flat_index(name, param))
-        param.copy_(values.to(torch.float64) * 2.0**_SCALE_LOG2)  # exact in bf16 and fp32
+        index, padding = _global_flat_index(name, param)
+        values = _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
+        # GTP pad rows are not part of the model: a value there that a norm counted would show.
+        param.copy_(values.masked_fill(padding, _PADDING_VALUE))  # exact in bf16 and fp32
     if optimizer is not None:
         optimizer.reload_model_params()
 

@@ -74,7 +74,8 @@ def _tensor_type(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         name = original(self, *args, **kwargs)
-        if args or kwargs or self.device.type != "cpu":
+        # A Tensor subclass (0.19's GTPShardedParam) re-enters this through __torch_function__.
+        if args or kwargs or self.device.type != "cpu" or name.startswith("torch.cuda."):
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 

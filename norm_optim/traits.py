@@ -1,0 +1,153 @@
+"""What a model param *is*, as far as counting goes: expert, TP-split, GTP-sharded, tied.
+
+Megatron marks params with attributes (``allreduce=False`` for experts, ``tensor_model_parallel``
+for TP-split weights, ``is_gtp_weight_remat`` for GTP shards, ``shared`` for tied copies), but
+not always: experts are marked only at EP > 1 (before 0.19), split weights only when megatron
+initializes them (before 0.18.2). The model's module structure fills those gaps. The counting
+rule (:mod:`norm_optim.ownership`) reads only the :class:`ParamTraits` built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .comm import Communicator
+from .kernels import RemainderMaster, Summand
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStructure:
+    """What the model's modules say about its params (by ``id``), beyond megatron's markers."""
+
+    experts: frozenset[int] = frozenset()
+    tp_split: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, chunks: Optional[Sequence[torch.nn.Module]]) -> "ModelStructure":
+        if chunks is None:
+            return cls()
+        return cls(frozenset(expert_param_ids(chunks)), frozenset(tensor_parallel_split_ids(chunks)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamTraits:
+    """The facts about one model param that decide which rank counts which of its elements.
+
+    Attributes:
+        expert: lives in an expert layer (split by expert-TP, replicated over expert-DP).
+        tp_split: the (expert-)TP group splits it; if not, TP ranks > 0 hold duplicates.
+        gtp_sharded: the (expert) GTP weight-remat group shards it on dim 0 (megatron-core
+            >= 0.19); if not, GTP ranks > 0 hold copies.
+        padding: trailing elements of this rank's local param that are GTP alignment padding
+            (zero rows that are not part of the model).
+        gtp_peers: global ranks of the GTP group that shards it (empty if none).
+    """
+
+    expert: bool
+    tp_split: bool
+    gtp_sharded: bool = False
+    padding: int = 0
+    gtp_peers: frozenset[int] = frozenset()
+
+
+def param_traits(param: torch.Tensor, structure: ModelStructure, comm: Communicator) -> ParamTraits:
+    """The :class:`ParamTraits` of a model param, from megatron's markers and the structure."""
+    expert = not getattr(param, "allreduce", True) or id(param) in structure.experts
+    tp_split = getattr(param, "tensor_model_parallel", None)
+    if tp_split is None:
+        tp_split = id(param) in structure.tp_split
+    if not getattr(param, "is_gtp_weight_remat", False):
+        return ParamTraits(expert, bool(tp_split))
+    group = getattr(param, "group", None)
+    peers = comm.group_ranks(group) if group is not None else frozenset()
+    return ParamTraits(expert, bool(tp_split), True, _gtp_padding(param, comm), peers)
+
+
+def _gtp_padding(param: Any, comm: Communicator) -> int:
+    """Elements of this rank's GTP shard that are pad rows.
+
+    GTP pads dim 0 of the (TP-local) weight to an alignment, appending ``pad_length`` zero rows,
+    then gives GTP rank ``r`` rows ``[r·s, (r+1)·s)``; the pad rows are the last ones, on the last
+    rank (or the last few ranks when the pad is longer than a shard).
+    """
+    pad_rows = int(getattr(param, "pad_length", 0) or 0)
+    group = getattr(param, "group", None)
+    if pad_rows == 0 or group is None or param.dim() == 0 or param.shape[0] == 0:
+        return 0
+    rows = param.shape[0]
+    real_rows = rows * comm.size(group) - pad_rows
+    local_real = min(max(real_rows - comm.rank(group) * rows, 0), rows)
+    return (rows - local_real) * (param.numel() // rows)
+
+
+def without_padding(tensor: Summand, offset: int, param: torch.Tensor, padding: int) -> Summand:
+    """The part of ``tensor`` (elements ``[offset, offset + n)`` of the flat local param) that is
+    not GTP padding: a view, never a copy."""
+    if padding == 0:
+        return tensor
+    keep = min(max(param.numel() - padding - offset, 0), tensor.numel())
+    if keep == tensor.numel():
+        return tensor
+    if isinstance(tensor, RemainderMaster):
+        return RemainderMaster(tensor.param.view(-1)[:keep], tensor.remainder.view(-1)[:keep])
+    return tensor.view(-1)[:keep]
+
+
+def expert_param_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
+    """``id`` of every param that lives in an expert layer, whatever the expert-parallel size.
+
+    megatron marks expert params ``allreduce=False`` only when EP > 1; at EP = 1 they look dense
+    but are still split by the expert-TP group and replicated over expert-DP (which differ from
+    TP and DP when ETP != TP). Expert layers are the modules megatron builds with
+    ``is_expert=True`` and those under a ``.experts`` submodule of an MoE layer.
+    """
+    ids: set[int] = set()
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if getattr(module, "is_expert", False) is True or name.split(".")[-1] == "experts":
+                ids.update(id(p) for p in module.parameters())
+    return ids
+
+
+# Megatron's tensor-parallel layers and which of their params they split over the TP (or, in
+# expert layers, the expert-TP) group. Megatron marks split params ``tensor_model_parallel=True``
+# only inside its weight-initialization helpers, so with ``perform_initialization=False`` (as when
+# loading a checkpoint) the weights carry no marker; the layer type still says how it splits.
+_SPLIT_BY_LAYER: dict[str, tuple[str, ...]] = {
+    "VocabParallelEmbedding": ("weight",),
+    "ColumnParallelLinear": ("weight", "bias"),
+    "RowParallelLinear": ("weight",),
+    "TEColumnParallelLinear": ("weight", "bias"),
+    "TELayerNormColumnParallelLinear": ("weight", "bias"),
+    "TERowParallelLinear": ("weight",),
+    "TEColumnParallelGroupedLinear": ("weight", "bias"),
+    "TERowParallelGroupedLinear": ("weight",),
+    "GroupedMLP": ("weight1", "weight2"),  # megatron-core <= 0.16
+}
+
+
+def tensor_parallel_split_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
+    """``id`` of every param that a megatron tensor-parallel layer splits across its TP group.
+
+    Grouped layers number their params (``weight0``, ``weight1``...): a name counts when it is a
+    split name followed by digits, except for ``GroupedMLP``, whose ``weight1``/``weight2`` are
+    the names themselves.
+    """
+    ids: set[int] = set()
+    for chunk in chunks:
+        for module in chunk.modules():
+            split = next(
+                (_SPLIT_BY_LAYER[c.__name__] for c in type(module).__mro__
+                 if c.__name__ in _SPLIT_BY_LAYER),
+                None,
+            )
+            if split is None:
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                base = name if name in split else name.rstrip("0123456789")
+                if base in split:
+                    ids.add(id(param))
+    return ids
