@@ -56,6 +56,11 @@ class Layout:
     gtp: int = 1
     egtp: int = 1
     dist_opt_refused: bool = False
+    # get_megatron_optimizer's optimizer and use_layer_wise_distributed_optimizer; with the
+    # distributed optimizer (megatron-core >= 0.19) the layer-wise one gets its own DDP layout
+    # and the result is ChainedOptimizer([LayerWiseDistributedOptimizer, DistributedOptimizer]).
+    optimizer: str = "adam"
+    layer_wise: bool = False
 
     def parallel(self) -> dict[str, Any]:
         gtp = {"gtp_remat_size": self.gtp} if self.gtp > 1 else {}
@@ -67,7 +72,16 @@ class Layout:
     def marks(self) -> list[Any]:
         if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
             return [pytest.mark.skip(reason="GTP weight remat exists since megatron-core 0.19")]
+        if self.optimizer != "adam" and not (megatron_at_least(0, 19) and _has_emerging()):
+            return [pytest.mark.skip(reason=f"{self.optimizer} in get_megatron_optimizer needs "
+                                     "megatron-core >= 0.19 and emerging-optimizers (Python >= 3.12)")]
         return []
+
+
+def _has_emerging() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("emerging_optimizers") is not None
 
 
 LAYOUTS = {
@@ -119,6 +133,13 @@ LAYOUTS = {
     # shards as if they were replicas (refused: test_expert_gtp_sharded_as_replicas_is_refused).
     "ep2-egtp2": Layout(4, GTP_MOE, ep=2, gtp=2, egtp=2, dist_opt_refused=True),
     "tp2-ep2-egtp2": Layout(8, GTP_MOE, tp=2, ep=2, etp=1, gtp=2, egtp=2),
+    # Muon (emerging-optimizers): matrices in the layer-wise optimizer, each assigned whole to one
+    # DP rank; the other params in Adam leaves (distributed optimizer when DDP is).
+    "muon-dp2": Layout(2, optimizer="muon"),
+    "muon-dp2-layer-wise": Layout(2, optimizer="muon", layer_wise=True),
+    "muon-tp2-dp2-layer-wise": Layout(4, tp=2, optimizer="muon", layer_wise=True),
+    "muon-ep2-dp2-layer-wise": Layout(4, MOE, ep=2, optimizer="muon", layer_wise=True),
+    "muon-gtp2-dp2-layer-wise": Layout(4, GTP_DENSE, gtp=2, optimizer="muon", layer_wise=True),
 }
 CASES = [
     pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}",
@@ -154,8 +175,10 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
     init_parallel(**layout.parallel())
     chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, freeze=layout.freeze,
                          fp32_params=layout.fp32_params, seed=SEED,
+                         layer_wise_layout=layout.layer_wise and dist_opt,
                          num_distributed_optimizer_instances=layout.ddp_instances or layout.instances)
-    inner = build_optimizer(chunks)
+    extra = {"use_layer_wise_distributed_optimizer": True} if layout.layer_wise else {}
+    inner = build_optimizer(chunks, optimizer=layout.optimizer, **extra)
     fill_deterministic_(chunks, SEED, optimizer=inner)
     _scale_main_params(inner, MAIN_SCALE)
     shapes = global_param_shapes(chunks, trainable_only=False)

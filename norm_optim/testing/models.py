@@ -150,6 +150,7 @@ def build_model(
     freeze: Sequence[str] = (),
     fp32_params: Sequence[str] = (),
     seed: int = 1234,
+    layer_wise_layout: bool = False,
     **ddp_overrides: Any,
 ) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage), each in megatron DDP.
@@ -166,6 +167,11 @@ def build_model(
             forward pass supports this for norms (torch's CPU norms take bf16 inputs with fp32
             weights) and for the MoE router (``moe_router_dtype='fp32'``).
         seed: seeds megatron's weight init.
+        layer_wise_layout: build DDP's buffers for ``use_layer_wise_distributed_optimizer`` with
+            a distributed-optimizer DDP (megatron-core >= 0.19), as Megatron-LM's
+            ``wrap_model_chunks_with_ddp`` does: Muon-managed matrices in shard-aligned
+            layer-wise buffers, the other params in distributed-optimizer buffers, so that
+            ``get_megatron_optimizer`` returns ``ChainedOptimizer([LayerWise..., Distributed...])``.
         ddp_overrides: extra ``DistributedDataParallelConfig`` fields.
     """
     from megatron.core import parallel_state as ps
@@ -190,10 +196,34 @@ def build_model(
         model: torch.nn.Module = Float16Module(config, gpt) if cfg.bf16 else gpt
         for param in _matching_params(gpt, fp32_params):
             param.data = param.data.float()
+        layout = _layer_wise_param_layout(gpt, ddp_config) if layer_wise_layout else None
+        extra = {"full_param_layout": layout} if layout is not None else {}
         chunks.append(
-            DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0)
+            DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0, **extra)
         )
     return chunks
+
+
+def _layer_wise_param_layout(gpt: torch.nn.Module, ddp_config: Any) -> Any:
+    """The buffer layout Megatron-LM's ``wrap_model_chunks_with_ddp`` (0.19) computes for the
+    layer-wise optimizer: params tagged for routing, the DDP config switched to the
+    distributed-optimizer buffers."""
+    from megatron.core.optimizer import layer_wise_optimizer as lw
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not hasattr(lw, "tag_params_for_buffer_routing"):
+        raise NotImplementedError("the layer-wise param layout exists since megatron-core 0.19")
+    lw.tag_params_for_buffer_routing([gpt])
+    ddp_config.use_distributed_optimizer = True
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    return lw.LayerWiseDistributedOptimizer.compute_full_param_layout(
+        params,
+        ddp_config.bucket_size,
+        groups.intra_dp_cp.size(),
+        ddp_config,
+        expert_data_parallel_world_size=groups.intra_expt_dp.size(),
+    )
 
 
 def build_optimizer(
@@ -220,8 +250,8 @@ def build_optimizer(
             f"with use_distributed_optimizer={built_for}; pass the same value to build_model"
         )
     extra.setdefault("clip_grad", 1.0)
+    extra.setdefault("optimizer", "adam")
     config = OptimizerConfig(
-        optimizer="adam",
         lr=lr,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
