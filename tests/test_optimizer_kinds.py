@@ -104,13 +104,6 @@ def _layer_wise(chunks: list) -> Any:
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    class GlooLayerWise(LayerWiseDistributedOptimizer):
-        """gloo's all_gather needs equal sizes; megatron's own broadcast_params (its reference
-        implementation of the same update) distributes the assigned params instead."""
-
-        def allgather_params(self) -> None:
-            self.broadcast_params()
-
     config = _config(bf16=False, use_distributed_optimizer=False)
     leaves = get_megatron_optimizer(config, chunks).chained_optimizers
     if megatron_at_least(0, 18, 2):
@@ -118,7 +111,7 @@ def _layer_wise(chunks: list) -> Any:
         # FP32Optimizer / Float16 leaves).
         leaves = [leaf.optimizer for leaf in leaves]
     config.bf16 = True
-    return GlooLayerWise(leaves, config, ProcessGroupCollection.use_mpu_process_groups())
+    return LayerWiseDistributedOptimizer(leaves, config, ProcessGroupCollection.use_mpu_process_groups())
 
 
 @dataclasses.dataclass(frozen=True)
