@@ -34,6 +34,8 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 # (qkv 144 -> 160 rows, proj / fc2 48 -> 64), some shards all padding at TP2.
 GTP_DENSE = dataclasses.replace(DENSE, hidden_size=48, ffn_hidden_size=96)
 GTP_MOE = dataclasses.replace(GTP_DENSE, num_experts=4, moe_ffn_hidden_size=40)
+# HybridModel (GPTModel's successor since 0.19): attention, MLP and MoE layers in one stack.
+HYBRID = dataclasses.replace(MOE, hybrid_layer_pattern="*-E*-E")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Layout:
                     num_distributed_optimizer_instances=self.instances, **gtp)
 
     def marks(self) -> list[Any]:
+        if self.cfg.hybrid_layer_pattern and not megatron_at_least(0, 19):
+            return [pytest.mark.skip(reason="HybridModel exists since megatron-core 0.19")]
         if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
             return [pytest.mark.skip(reason="GTP weight remat exists since megatron-core 0.19")]
         if self.optimizer != "adam" and not (megatron_at_least(0, 19) and _has_emerging()):
@@ -135,6 +139,11 @@ LAYOUTS = {
     "tp2-ep2-egtp2": Layout(8, GTP_MOE, tp=2, ep=2, etp=1, gtp=2, egtp=2),
     # Muon (emerging-optimizers): matrices in the layer-wise optimizer, each assigned whole to one
     # DP rank; the other params in Adam leaves (distributed optimizer when DDP is).
+    "hybrid-dp2": Layout(2, HYBRID),
+    "hybrid-tp2-ep2-etp1": Layout(4, HYBRID, tp=2, ep=2, etp=1),
+    "hybrid-pp2-ep2": Layout(4, HYBRID, pp=2, ep=2),
+    "hybrid-tp2-pp2-ep2": Layout(8, HYBRID, tp=2, pp=2, ep=2),
+    "hybrid-gtp2-ep2": Layout(4, dataclasses.replace(HYBRID, hidden_size=48), ep=2, gtp=2),
     "muon-dp2": Layout(2, optimizer="muon"),
     "muon-dp2-layer-wise": Layout(2, optimizer="muon", layer_wise=True),
     "muon-tp2-dp2-layer-wise": Layout(4, tp=2, optimizer="muon", layer_wise=True),

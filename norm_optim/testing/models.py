@@ -49,6 +49,10 @@ class TinyGPTConfig:
     # False: megatron skips weight init (as when loading a checkpoint) and, with it, marking
     # TP-split weights ``tensor_model_parallel``; the weights are then uninitialized memory.
     perform_initialization: bool = True
+    # A HybridModel (megatron-core >= 0.19, GPTModel's successor) instead of a GPTModel: one
+    # symbol per layer, ``*`` attention, ``-`` MLP, ``E`` MoE (``num_experts`` needed);
+    # ``num_layers`` is then the pattern's length, split evenly over the pipeline stages.
+    hybrid_layer_pattern: str | None = None
 
 
 def transformer_config(cfg: TinyGPTConfig) -> Any:
@@ -72,8 +76,9 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         )
+    pattern = cfg.hybrid_layer_pattern
     return TransformerConfig(
-        num_layers=cfg.num_layers,
+        num_layers=len(pattern) if pattern else cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         ffn_hidden_size=ffn,
@@ -119,19 +124,88 @@ def _with_sequence_parallel_norms(spec: Any) -> Any:
 
 def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch.nn.Module:
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=_with_sequence_parallel_norms(block_spec),
+    stage = dict(
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         vp_stage=vp_stage,
+    )
+    if cfg.hybrid_layer_pattern is not None:
+        from megatron.core.models.hybrid import hybrid_block
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        spec = _with_sequence_parallel_norms(_hybrid_local_spec(cfg))
+        # HybridStack builds its final norm from Transformer Engine's TENorm, whatever the spec
+        # says: use the spec's own (torch) norm while it is built.
+        original = hybrid_block.TENorm
+        hybrid_block.TENorm = spec.submodules.attention_layer.submodules.input_layernorm
+        try:
+            return HybridModel(
+                config=config,
+                hybrid_stack_spec=spec,
+                hybrid_layer_pattern=_split_by_stage(cfg.hybrid_layer_pattern),
+                position_embedding_type="learned_absolute",
+                **stage,
+            )
+        finally:
+            hybrid_block.TENorm = original
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config, transformer_layer_spec=_with_sequence_parallel_norms(block_spec), **stage
+    )
+
+
+def _split_by_stage(pattern: str) -> str:
+    """The logical layer pattern with megatron's ``|`` between equal pipeline stages."""
+    from megatron.core import parallel_state as ps
+
+    stages = ps.get_pipeline_model_parallel_world_size()
+    if ps.get_virtual_pipeline_model_parallel_world_size():
+        raise NotImplementedError("the tiny HybridModel is built without virtual pipelining")
+    if len(pattern) % stages:
+        raise ValueError(f"{len(pattern)} layers ({pattern!r}) do not split over {stages} stages")
+    size = len(pattern) // stages
+    return "|".join(pattern[i : i + size] for i in range(0, len(pattern), size))
+
+
+def _hybrid_local_spec(cfg: TinyGPTConfig) -> Any:
+    """HybridModel's stack spec from the local (non-TE) GPT layer pieces; megatron ships only TE
+    ones (``hybrid_layer_specs``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    dense = get_gpt_layer_local_spec(normalization=cfg.normalization).submodules
+    moe = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts or 1, moe_grouped_gemm=False, normalization=cfg.normalization
+    ).submodules
+
+    def layer(module: type, **parts: Any) -> Any:
+        return ModuleSpec(module=module, submodules=TransformerLayerSubmodules(**parts))
+
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            attention_layer=layer(TransformerLayer, input_layernorm=dense.input_layernorm,
+                                  self_attention=dense.self_attention,
+                                  self_attn_bda=dense.self_attn_bda),
+            mlp_layer=layer(MLPLayer, pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp,
+                            mlp_bda=dense.mlp_bda),
+            moe_layer=layer(MoETransformerLayer, pre_mlp_layernorm=moe.pre_mlp_layernorm,
+                            mlp=moe.mlp, mlp_bda=moe.mlp_bda),
+        ),
     )
 
 
