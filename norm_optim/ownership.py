@@ -8,7 +8,8 @@ replicated over            canonical holder                            decided b
 =========================  ==========================================  =======================
 tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    params without
                            for params that TP does not split            ``tensor_model_parallel``
-tied weights               the copy without ``shared=True``             ``shared`` attribute
+tied weights               the copy without ``shared=True`` (an output  ``shared`` attribute,
+                           weight that tying leaves unused: none)       model structure
 data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holding.replicated``
                            for whole (non-sharded) main params
 distributed optimizer      the rank whose shard it is (shards            ``Holding.replicated``
@@ -228,6 +229,7 @@ def why_not_counted(
     coords: RankCoords,
     shard_group: Optional[frozenset[int]] = None,
     gtp_sharded: bool = False,
+    tied_copy: Optional[bool] = None,
 ) -> Optional[str]:
     """The reason this rank must not count ``param``'s tensor, or None if it counts it.
 
@@ -245,8 +247,10 @@ def why_not_counted(
             group, each holding a full set of shards; the one holding its first rank counts.
         gtp_sharded: whether the (expert) GTP weight-remat group shards the param; if not, GTP
             ranks other than 0 hold copies.
+        tied_copy: whether the param is a copy of a tied weight counted elsewhere (default:
+            megatron's ``shared`` marker).
     """
-    if getattr(param, "shared", False):
+    if tied_copy if tied_copy is not None else getattr(param, "shared", False):
         return "shared"
     tp_rank = coords.expert_tp if expert else coords.tp
     if not tp_split and tp_rank != 0:

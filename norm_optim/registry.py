@@ -256,7 +256,8 @@ def _record(
     if forced_reason is not None:
         reason: Optional[str] = forced_reason
     elif tensor is None:
-        reason = "held-elsewhere"
+        # A tied copy is no param of its own, whether or not this rank holds a shard of it.
+        reason = "shared" if traits.tied_copy else "held-elsewhere"
     else:
         reason = why_not_counted(
             param,
@@ -266,6 +267,7 @@ def _record(
             coords=coords,
             shard_group=holding.shard_group,
             gtp_sharded=traits.gtp_sharded,
+            tied_copy=traits.tied_copy,
         )
     sharded = tensor is not None and tensor.numel() != param.numel()
     return ParamRecord(

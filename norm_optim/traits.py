@@ -24,12 +24,17 @@ class ModelStructure:
 
     experts: frozenset[int] = frozenset()
     tp_split: frozenset[int] = frozenset()
+    unused_tied_outputs: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, chunks: Optional[Sequence[torch.nn.Module]]) -> "ModelStructure":
         if chunks is None:
             return cls()
-        return cls(frozenset(expert_param_ids(chunks)), frozenset(tensor_parallel_split_ids(chunks)))
+        return cls(
+            frozenset(expert_param_ids(chunks)),
+            frozenset(tensor_parallel_split_ids(chunks)),
+            frozenset(unused_tied_output_ids(chunks)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,8 @@ class ParamTraits:
         padding: trailing elements of this rank's local param that are GTP alignment padding
             (zero rows that are not part of the model).
         gtp_peers: global ranks of the GTP group that shards it (empty if none).
+        tied_copy: a copy of a tied weight held elsewhere too (megatron's ``shared``), or an
+            output weight that tied embeddings leave unused.
     """
 
     expert: bool
@@ -51,6 +58,7 @@ class ParamTraits:
     gtp_sharded: bool = False
     padding: int = 0
     gtp_peers: frozenset[int] = frozenset()
+    tied_copy: bool = False
 
 
 def param_traits(param: torch.Tensor, structure: ModelStructure, comm: Communicator) -> ParamTraits:
@@ -59,11 +67,14 @@ def param_traits(param: torch.Tensor, structure: ModelStructure, comm: Communica
     tp_split = getattr(param, "tensor_model_parallel", None)
     if tp_split is None:
         tp_split = id(param) in structure.tp_split
+    tied_copy = bool(getattr(param, "shared", False)) or id(param) in structure.unused_tied_outputs
     if not getattr(param, "is_gtp_weight_remat", False):
-        return ParamTraits(expert, bool(tp_split))
+        return ParamTraits(expert, bool(tp_split), tied_copy=tied_copy)
     group = getattr(param, "group", None)
     peers = comm.group_ranks(group) if group is not None else frozenset()
-    return ParamTraits(expert, bool(tp_split), True, _gtp_padding(param, comm), peers)
+    return ParamTraits(
+        expert, bool(tp_split), True, _gtp_padding(param, comm), peers, tied_copy=tied_copy
+    )
 
 
 def _gtp_padding(param: Any, comm: Communicator) -> int:
@@ -150,4 +161,24 @@ def tensor_parallel_split_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
                 base = name if name in split else name.rstrip("0123456789")
                 if base in split:
                     ids.add(id(param))
+    return ids
+
+
+def unused_tied_output_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
+    """``id`` of output-layer weights that tied embeddings leave unused.
+
+    With tied embeddings the output layer multiplies by ``shared_embedding_or_output_weight()``.
+    On a last pipeline stage that also runs multi-token prediction, megatron (>= 0.17.1) keeps a
+    copy of the word embeddings there (marked ``shared``) and returns *it*, while the output
+    layer still allocates a weight of its own that nothing reads: not a weight of the model.
+    """
+    ids: set[int] = set()
+    for chunk in chunks:
+        for module in chunk.modules():
+            if not getattr(module, "share_embeddings_and_output_weights", False):
+                continue
+            output = getattr(getattr(module, "output_layer", None), "weight", None)
+            tied = getattr(module, "shared_embedding_or_output_weight", None)
+            if isinstance(output, torch.nn.Parameter) and callable(tied) and tied() is not output:
+                ids.add(id(output))
     return ids

@@ -34,6 +34,7 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 # (qkv 144 -> 160 rows, proj / fc2 48 -> 64), some shards all padding at TP2.
 GTP_DENSE = dataclasses.replace(DENSE, hidden_size=48, ffn_hidden_size=96)
 GTP_MOE = dataclasses.replace(GTP_DENSE, num_experts=4, moe_ffn_hidden_size=40)
+MTP = dataclasses.replace(DENSE, mtp_num_layers=1, position_embedding_type="rope")
 # HybridModel (GPTModel's successor since 0.19): attention, MLP and MoE layers in one stack.
 HYBRID = dataclasses.replace(MOE, hybrid_layer_pattern="*-E*-E")
 
@@ -139,6 +140,15 @@ LAYOUTS = {
     "tp2-ep2-egtp2": Layout(8, GTP_MOE, tp=2, ep=2, etp=1, gtp=2, egtp=2),
     # Muon (emerging-optimizers): matrices in the layer-wise optimizer, each assigned whole to one
     # DP rank; the other params in Adam leaves (distributed optimizer when DDP is).
+    # Multi-token prediction: its layers and, at PP > 1, its own copy of the word embeddings on
+    # the last stage (megatron marks it shared), whose output layer then leaves its own weight
+    # unused when embeddings are tied. RoPE, as MTP models use: a learned position embedding
+    # would get a second, untied copy on the MTP stage.
+    "mtp-dp2": Layout(2, MTP),
+    "mtp-pp2-tied": Layout(2, MTP, pp=2),
+    "mtp-tp2-pp2-untied": Layout(4, dataclasses.replace(MTP, tie_embeddings=False), tp=2, pp=2),
+    "mtp-pp2-ep2": Layout(4, dataclasses.replace(MOE, mtp_num_layers=1,
+                                                 position_embedding_type="rope"), pp=2, ep=2),
     "hybrid-dp2": Layout(2, HYBRID),
     "hybrid-tp2-ep2-etp1": Layout(4, HYBRID, tp=2, ep=2, etp=1),
     "hybrid-pp2-ep2": Layout(4, HYBRID, pp=2, ep=2),

@@ -53,6 +53,10 @@ class TinyGPTConfig:
     # symbol per layer, ``*`` attention, ``-`` MLP, ``E`` MoE (``num_experts`` needed);
     # ``num_layers`` is then the pattern's length, split evenly over the pipeline stages.
     hybrid_layer_pattern: str | None = None
+    # Multi-token-prediction layers (on the last pipeline stage, with their own copy of the
+    # embedding there: megatron marks it ``shared``).
+    mtp_num_layers: int = 0
+    position_embedding_type: str = "learned_absolute"
 
 
 def transformer_config(cfg: TinyGPTConfig) -> Any:
@@ -98,6 +102,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         attention_dropout=0.0,
         use_cpu_initialization=True,
         perform_initialization=cfg.perform_initialization,
+        **({"mtp_num_layers": cfg.mtp_num_layers} if cfg.mtp_num_layers else {}),
         bf16=cfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -155,9 +160,24 @@ def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    block_spec = _with_sequence_parallel_norms(
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    )
+    if cfg.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_mtp_block_spec,
+        )
+
+        layer_spec = _with_sequence_parallel_norms(get_gpt_layer_local_spec())
+        stage["mtp_block_spec"] = get_gpt_mtp_block_spec(
+            config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage
+        )
     return GPTModel(
-        config=config, transformer_layer_spec=_with_sequence_parallel_norms(block_spec), **stage
+        config=config,
+        transformer_layer_spec=block_spec,
+        position_embedding_type=cfg.position_embedding_type,
+        **stage,
     )
 
 
