@@ -42,7 +42,8 @@ def _skip_reason() -> str | None:
 
 
 _REASON = _skip_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+# Every test but the one that checks the error without megatron.training.
+needs_loop = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 SEED = 7
 REL = 1e-6
@@ -162,6 +163,7 @@ LAYOUTS = {  # name: (world size, tiny_gpt_args options)
 }
 
 
+@needs_loop
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pretrain_logs_the_oracle_norm(layout: str) -> None:
     world, options = LAYOUTS[layout]
@@ -169,6 +171,7 @@ def test_pretrain_logs_the_oracle_norm(layout: str) -> None:
     _assert_serves_oracle(results)
 
 
+@needs_loop
 def test_two_distributed_optimizer_instances() -> None:
     """Megatron's own loop prints sqrt(2) x the true norm; with install() it prints the oracle."""
     options = dict(lr=0.0, num_distributed_optimizer_instances=2)
@@ -182,6 +185,7 @@ def test_two_distributed_optimizer_instances() -> None:
     _assert_serves_oracle(run_ranks(_run, 4, options, install={}, timeout=TIMEOUT))
 
 
+@needs_loop
 def test_breakdown_in_log_line_and_tensorboard() -> None:
     options = dict(tp=2, ep=2, num_experts=4, lr=0.0,
                    extra=("--tensorboard-dir", "unused-by-the-recording-writer",
@@ -200,6 +204,7 @@ def test_breakdown_in_log_line_and_tensorboard() -> None:
         assert scalars[("params-norm-expert", step)] == pytest.approx(expert, rel=REL)
 
 
+@needs_loop
 def test_norm_is_read_only_when_logged() -> None:
     """One all-reduce at each logged iteration (1: first, 2, 4 with --log-interval 2), none at
     iteration 3; the value follows training (lr > 0) and equals Megatron's own on DP2."""
@@ -230,6 +235,7 @@ RESUMES = {
 }
 
 
+@needs_loop
 @pytest.mark.parametrize("resume", RESUMES)
 def test_save_and_resume(tmp_path: Any, resume: str) -> None:
     """A checkpoint saved at iteration 2 and loaded by a new run: the resumed run logs the
@@ -251,3 +257,70 @@ def test_save_and_resume(tmp_path: Any, resume: str) -> None:
     for _, value in resumed["logged"]:
         assert value == pytest.approx(oracle, rel=REL)
     assert resumed["printed"] == [round(oracle, 3)] * 2
+
+
+@pytest.mark.skipif(_REASON is None, reason="megatron.training is present")
+def test_install_without_megatron_training_names_the_version() -> None:
+    from norm_optim.integrations.megatron_lm import MegatronLMVersionError, install
+
+    with pytest.raises(MegatronLMVersionError, match=r"megatron-core \S+ has no megatron.training"):
+        install()
+
+
+@needs_loop
+def test_install_refuses_an_unknown_loop(monkeypatch: Any) -> None:
+    from megatron.training import training
+
+    from norm_optim.integrations.megatron_lm import MegatronLMVersionError, install
+
+    monkeypatch.setattr(training, "training_log", lambda loss_dict, iteration: None)
+    with pytest.raises(MegatronLMVersionError, match=r"of megatron-core \S+ has no "
+                       r"training_log\(params_norm=...\)"):
+        install()
+
+
+@needs_loop
+def test_uninstall_restores_megatron_functions() -> None:
+    from megatron.training import training
+
+    from norm_optim.integrations.megatron_lm import install
+
+    names = ("setup_model_and_optimizer", "calc_params_l2_norm", "training_log")
+    before = [getattr(training, name) for name in names]
+    with install() as handle:
+        assert all(getattr(training, n) is not f for n, f in zip(names, before))
+        assert inspect.signature(training.training_log) == inspect.signature(before[2])
+        with pytest.raises(RuntimeError, match="already installed"):
+            install()
+    assert [getattr(training, name) for name in names] == before
+    handle.uninstall()  # twice is fine
+    assert [getattr(training, name) for name in names] == before
+
+
+@needs_loop
+@pytest.mark.parametrize("iteration, first, tensorboard, expected", [
+    (5, True, None, True),      # the first iteration of a run always prints
+    (10, False, None, True),    # log interval
+    (15, False, None, False),
+    (15, False, "tb", False),
+    (12, False, "tb", True),    # TensorBoard interval, on every rank alike
+    (12, False, None, False),   # no --tensorboard-dir: nothing writes it
+])
+def test_log_reads_params_norm(iteration: int, first: bool, tensorboard: str | None,
+                               expected: bool) -> None:
+    from argparse import Namespace
+
+    from norm_optim.integrations.megatron_lm import log_reads_params_norm
+
+    args = Namespace(log_interval=10, tensorboard_log_interval=4, tensorboard_dir=tensorboard)
+    assert log_reads_params_norm(args, iteration, first) is expected
+
+
+@needs_loop
+def test_breakdown_value_is_the_total_float() -> None:
+    from norm_optim.integrations.megatron_lm import ParamsNormWithBreakdown
+
+    value = ParamsNormWithBreakdown(5.0, 3.0, 4.0)
+    assert value == 5.0 and float(value) == 5.0
+    assert f" params norm: {value:.3f} |" == (
+        " params norm: 5.000 | params norm dense: 3.000 | params norm expert: 4.000 |")
