@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional
 
@@ -156,12 +155,6 @@ class _DeferredParamsNorm:
         return "<params norm: read by training_log at log intervals>"
 
 
-@dataclass
-class _Original:
-    name: str
-    function: Callable[..., Any]
-
-
 # Attribute of each installed replacement: the integration that installed it.
 _OWNER_ATTR = "__norm_optim_integration__"
 
@@ -195,11 +188,11 @@ class MegatronLMIntegration:
         self._training = training
         self._breakdown = breakdown
         self._wrapper_options = wrapper_options
-        self._originals = [_Original(name, getattr(training, name)) for name in _PATCHED]
+        self._originals: dict[str, Callable[..., Any]] = {
+            name: getattr(training, name) for name in _PATCHED
+        }
         self._log_signature = inspect.signature(training.training_log)
-
-    def _original(self, name: str) -> Callable[..., Any]:
-        return next(o.function for o in self._originals if o.name == name)
+        self._installed = False
 
     def _apply(self) -> None:
         replacements = {
@@ -207,20 +200,22 @@ class MegatronLMIntegration:
             "calc_params_l2_norm": self._calc_params_l2_norm,
             "training_log": self._training_log,
         }
-        for original in self._originals:
-            setattr(self._training, original.name,
-                    _replacement(original.function, replacements[original.name], self))
+        for name in _PATCHED:
+            setattr(self._training, name,
+                    _replacement(self._originals[name], replacements[name], self))
+        self._installed = True
 
     @property
     def installed(self) -> bool:
-        return bool(self._originals)
+        return self._installed
 
     def uninstall(self) -> None:
         """Restore Megatron-LM's functions. Safe to call twice. The optimizer already built
         stays wrapped (it behaves as the optimizer it wraps)."""
-        while self._originals:
-            original = self._originals.pop()
-            setattr(self._training, original.name, original.function)
+        if self._installed:
+            for name in reversed(_PATCHED):
+                setattr(self._training, name, self._originals[name])
+            self._installed = False
 
     def __enter__(self) -> "MegatronLMIntegration":
         return self
@@ -231,7 +226,7 @@ class MegatronLMIntegration:
     # ------------------------------------------------------------ the three replacements
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        model, optimizer, scheduler = self._original("setup_model_and_optimizer")(*args, **kwargs)
+        model, optimizer, scheduler = self._originals["setup_model_and_optimizer"](*args, **kwargs)
         if optimizer is not None:  # None with --skip-train
             optimizer = NormAwareOptimizer(optimizer, model=model, **self._wrapper_options)
         self.optimizer, self.model = optimizer, model
@@ -239,7 +234,7 @@ class MegatronLMIntegration:
 
     def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if self.optimizer is None:  # no optimizer to read: Megatron's own function
-            return self._original("calc_params_l2_norm")(model, *args, **kwargs)
+            return self._originals["calc_params_l2_norm"](model, *args, **kwargs)
         chunks = model if isinstance(model, list) else [model]
         if self.model is None or len(chunks) != len(self.model) or any(
             a is not b for a, b in zip(chunks, self.model)
@@ -262,7 +257,7 @@ class MegatronLMIntegration:
             if log_reads_params_norm(_global_vars().get_args(), iteration, first):
                 norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
             bound.arguments["params_norm"] = self._value(norms)
-        result = self._original("training_log")(*bound.args, **bound.kwargs)
+        result = self._originals["training_log"](*bound.args, **bound.kwargs)
         if norms is not None and self._breakdown:
             self._write_breakdown(bound.arguments["iteration"], norms)
         return result
