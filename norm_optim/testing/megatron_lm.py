@@ -20,11 +20,14 @@ Megatron-LM's ``pretrain_gpt.py`` is not in the wheel; :func:`pretrain_gpt` does
 (``MockGPTDataset``, ``get_batch_on_this_tp_rank``, the GPT loss).
 
 **Test-only patches.** On top of the CPU shim (:mod:`norm_optim.testing.shim`, installed by
-``run_ranks``), Megatron-LM's loop needs the patches below; each function returns the
-reversible :class:`~norm_optim.testing.shim.Patch` list for one megatron code path, named after
-it. :func:`cpu_loop_patches` are those of any Megatron training loop on megatron-core (also
-Megatron-Bridge's); :func:`megatron_lm_patches` those of ``megatron.training`` itself.
-:func:`megatron_lm_on_cpu` applies both and undoes them.
+``run_ranks``), Megatron-LM's loop needs the patches below; each ``*_patches()`` function
+returns the reversible attribute patches (the shim's ``_Patch``) for one megatron code path and
+says which. :func:`cpu_loop_patches` are those any training loop on megatron-core needs (also
+Megatron-Bridge's: CUDA device count, dataset helper compilation, CUDA RNG state in checkpoints,
+``torch_dist`` saves in a forked rank); :func:`megatron_lm_patches` those of
+``megatron.training`` itself. :func:`megatron_lm_on_cpu` applies both and undoes them. MoE with
+TP needs sequence parallelism, which the local spec's torch norm refuses: that one is not a
+patch but a layer spec (:func:`sequence_parallel_norm_layer_spec`), set on the model config.
 
 Needs megatron-core >= 0.19 (``pretrain`` takes a config container since 0.19); the patches
 themselves apply to 0.17+.
