@@ -206,22 +206,31 @@ def test_breakdown_in_log_line_and_tensorboard() -> None:
 
 @needs_loop
 def test_norm_is_read_only_when_logged() -> None:
-    """One all-reduce at each logged iteration (1: first, 2, 4 with --log-interval 2), none at
-    iteration 3; the value follows training (lr > 0) and equals Megatron's own on DP2."""
-    options = dict(lr=1e-2, train_iters=4, log_interval=2)
+    """One all-reduce at each iteration whose log reads the norm, on every rank, none otherwise.
+
+    ``--log-interval 2 --tensorboard-log-interval 3``, 5 iterations: printed at 1 (the first),
+    2 and 4, written to TensorBoard (last rank) at 3; iteration 5 reads nothing. lr > 0, so the
+    value follows training; on DP2 it equals Megatron's own ``calc_params_l2_norm``.
+    """
+    options = dict(lr=1e-2, train_iters=5, log_interval=2,
+                   extra=("--tensorboard-dir", "unused-by-the-recording-writer",
+                          "--tensorboard-log-interval", "3"))
     results = run_ranks(_run, 2, options, install={}, fill=False, megatron_reference=True,
                         timeout=TIMEOUT)
     for seen in results:  # every rank decides alike
-        iterations = [it for it, _ in seen["logged"]]
-        assert iterations == [1, 2, 3, 4]
-        assert [v is not None for _, v in seen["logged"]] == [True, True, False, True]
+        assert [it for it, _ in seen["logged"]] == [1, 2, 3, 4, 5]
+        assert [v is not None for _, v in seen["logged"]] == [True, True, True, True, False]
         counts = seen["all_reduces"]
-        assert [b - a for a, b in zip(counts, counts[1:])] == [1, 0, 1]
+        assert [b - a for a, b in zip(counts, counts[1:])] == [1, 1, 1, 0]
         for (_, value), reference in zip(seen["logged"], seen["reference"]):
             if value is not None:
                 assert value == pytest.approx(reference, rel=REL)
-    assert len(set(v for _, v in _last(results)["logged"] if v is not None)) == 3  # it moved
-    assert len(_last(results)["printed"]) == 3
+    last = _last(results)
+    values = dict(last["logged"])
+    assert len(set(values.values()) - {None}) == 4  # it moved with training
+    assert last["printed"] == [round(values[it], 3) for it in (1, 2, 4)]
+    written = [(step, value) for tag, value, step in last["scalars"] if tag == "params-norm"]
+    assert written == [(3, pytest.approx(values[3], rel=REL))]
 
 
 RESUMES = {
