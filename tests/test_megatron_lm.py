@@ -13,6 +13,7 @@ keeps the weights there, so the norm at every logged iteration is ``oracle_norm`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -71,15 +72,13 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
     record the ``params_norm`` the real ``training_log`` receives (and, with
     ``megatron_reference``, Megatron's own ``calc_params_l2_norm`` at that point, every rank).
     """
-    import inspect
-
-    import torch.distributed as dist
     from megatron.training import training
     from megatron.training.utils import calc_params_l2_norm
 
     from norm_optim.integrations import megatron_lm
     from norm_optim.testing.megatron_lm import (
         RecordingSummaryWriter,
+        patches_applied,
         pretrain_gpt,
         recording_tensorboard_patches,
         tiny_gpt_args,
@@ -120,21 +119,14 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
     patches = [_Patch(training, "setup_model_and_optimizer", setup_spy),
                _Patch(training, "training_log", training_log_spy),
                *recording_tensorboard_patches(writer)]
-    for patch in patches:
-        patch.apply()
-    handle = megatron_lm.install(comm=comm, **install) if install is not None else None
-    try:
+    with patches_applied(patches), contextlib.ExitStack() as stack:
+        if install is not None:
+            stack.enter_context(megatron_lm.install(comm=comm, **install))
         result = pretrain_gpt(tiny_gpt_args(**argv_options))
-    finally:
-        if handle is not None:
-            handle.uninstall()
-        for patch in reversed(patches):
-            patch.revert()
     seen["printed"] = [float(m.group(1)) for line in result.log_lines
                        for m in [_PRINTED.search(line)] if m]
     seen["log_lines"] = result.log_lines
     seen["scalars"] = writer.scalars
-    seen["rank"] = dist.get_rank()
     return seen
 
 
@@ -143,16 +135,20 @@ def _last(results: list[dict]) -> dict:
     return results[-1]
 
 
+def _printed(value: float) -> float:
+    """``value`` as Megatron's log line prints it (``{:.3f}``)."""
+    return float(f"{value:.3f}")
+
+
 def _assert_serves_oracle(results: list[dict], iterations: int = 3) -> dict:
+    """Every rank's ``training_log`` got the oracle at every iteration; the last rank printed it."""
+    for seen in results:
+        logged = [value for _, value in seen["logged"]]
+        assert len(logged) == iterations and None not in logged, seen["logged"]
+        for value in logged:
+            assert value == pytest.approx(seen["oracle"], rel=REL)
     last = _last(results)
-    oracle = last["oracle"]
-    logged = [value for _, value in last["logged"]]
-    assert len(logged) == iterations and all(v is not None for v in logged), last["logged"]
-    for value in logged:
-        assert value == pytest.approx(oracle, rel=REL)
-    assert len(last["printed"]) == iterations, last["log_lines"]
-    for printed in last["printed"]:
-        assert printed == round(oracle, 3), (printed, oracle, last["log_lines"])
+    assert last["printed"] == [_printed(last["oracle"])] * iterations, last["log_lines"]
     return last
 
 
@@ -179,7 +175,7 @@ def test_two_distributed_optimizer_instances() -> None:
     assert len(plain["printed"]) == 3
     for printed, (_, logged) in zip(plain["printed"], plain["logged"]):
         assert logged == pytest.approx(math.sqrt(2) * plain["oracle"], rel=1e-5)
-        assert printed == round(logged, 3)
+        assert printed == _printed(logged)
         assert abs(printed - plain["oracle"]) > 1.0  # visibly wrong in Megatron's own log
 
     _assert_serves_oracle(run_ranks(_run, 4, options, install={}, timeout=TIMEOUT))
@@ -228,7 +224,7 @@ def test_norm_is_read_only_when_logged() -> None:
     last = _last(results)
     values = dict(last["logged"])
     assert len(set(values.values()) - {None}) == 4  # it moved with training
-    assert last["printed"] == [round(values[it], 3) for it in (1, 2, 4)]
+    assert last["printed"] == [_printed(values[it]) for it in (1, 2, 4)]
     written = [(step, value) for tag, value, step in last["scalars"] if tag == "params-norm"]
     assert written == [(3, pytest.approx(values[3], rel=REL))]
 
@@ -271,7 +267,7 @@ def test_save_and_resume(tmp_path: Any, resume: str) -> None:
     assert [it for it, _ in resumed["logged"]] == [3, 4]
     for _, value in resumed["logged"]:
         assert value == pytest.approx(oracle, rel=REL)
-    assert resumed["printed"] == [round(oracle, 3)] * 2
+    assert resumed["printed"] == [_printed(oracle)] * 2
 
 
 @pytest.mark.skipif(_REASON is None, reason="megatron.training is present")
