@@ -393,7 +393,8 @@ def tiny_gpt_args(
     """Command-line arguments for a tiny bf16 GPT on mock data (hidden 32, 2 layers, 4 heads,
     vocab 128, sequence 16), ``--log-params-norm``, on the given layout, plus :data:`CPU_FLAGS`.
 
-    ``global_batch_size`` defaults to one micro-batch per data-parallel rank and PP stage.
+    ``global_batch_size`` defaults to one micro-batch per data-parallel rank and PP stage (the
+    world size is read from ``WORLD_SIZE``, which ``run_ranks`` sets in each rank).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = world // (tp * pp)
