@@ -6,6 +6,8 @@
 - :mod:`~norm_optim.testing.models` — tiny GPT / MoE models on any layout, the real optimizer,
   one real training step.
 - :mod:`~norm_optim.testing.oracle` — layout-independent weight values and their exact norm.
+- :mod:`~norm_optim.testing.megatron_lm` — Megatron-LM's real ``pretrain()`` on CPU ranks
+  (imported on demand: needs ``megatron.training``, megatron-core >= 0.19).
 
 A multi-rank test::
 

@@ -1,0 +1,8 @@
+"""Training-loop integrations: serve a loop's params-norm logging from :class:`NormAwareOptimizer`.
+
+They sit above the wrapper and hold no counting logic; importing this package imports no
+training framework (each submodule imports its own when used).
+
+- :mod:`norm_optim.integrations.megatron_lm` — Megatron-LM's ``megatron.training`` loop
+  (``--log-params-norm``): ``megatron_lm.install()`` before ``pretrain(...)``.
+"""

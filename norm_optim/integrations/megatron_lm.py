@@ -1,0 +1,322 @@
+"""Megatron-LM's own training loop logs ``--log-params-norm`` from norm_optim.
+
+Megatron-LM's loop (``megatron.training``, in the megatron-core wheel since 0.17) builds its
+optimizer in ``setup_model_and_optimizer``, calls ``calc_params_l2_norm(model)`` every iteration
+under ``--log-params-norm`` and hands the value to ``training_log``, which prints it at log
+intervals (on the last rank) and writes the TensorBoard / W&B scalar ``params-norm`` at
+TensorBoard intervals. There is no hook, so :func:`install` replaces those three names in
+``megatron.training.training`` (which imported them by name):
+
+- ``setup_model_and_optimizer``: the optimizer it returns is wrapped once in
+  :class:`~norm_optim.NormAwareOptimizer` with the model chunks (after any checkpoint load, so
+  the registry is built from the loaded state; later loads are followed by the wrapper).
+- ``calc_params_l2_norm``: does no work; it returns a marker for ``training_log``.
+- ``training_log``: when, and only when, this iteration's log prints or writes the params norm
+  (decided from the iteration number, ``is_first_iteration`` and the intervals in ``args``,
+  which every rank has: the print happens on one rank only), every rank reads
+  ``param_l2_norms()`` (one all-reduce, one host sync) and passes the total on as a float.
+  Other iterations pass ``None``, which ``training_log`` does not read.
+
+Usage, in a ``pretrain_gpt.py``-style script::
+
+    from norm_optim.integrations import megatron_lm
+
+    megatron_lm.install()            # once, before pretrain(...)
+    pretrain(...)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+from ..errors import NormOptimError
+from ..norm import ParamNorms
+from ..wrapper import NormAwareOptimizer
+
+__all__ = [
+    "MegatronLMIntegration",
+    "MegatronLMVersionError",
+    "ParamsNormWithBreakdown",
+    "install",
+    "log_reads_params_norm",
+]
+
+# The names patched in megatron/training/training.py, in the order they are applied.
+_PATCHED = ("setup_model_and_optimizer", "calc_params_l2_norm", "training_log")
+# training_log parameters the integration reads (present in megatron-core 0.17 to 0.19).
+_TRAINING_LOG_PARAMS = ("iteration", "params_norm")
+
+
+class MegatronLMVersionError(NormOptimError, RuntimeError):
+    """This megatron-core has no Megatron-LM loop, or not the one the integration patches."""
+
+
+def _megatron_core_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # a source checkout without package metadata
+        try:
+            from megatron.core.package_info import __version__
+
+            return str(__version__)
+        except ImportError:
+            return "unknown"
+
+
+def _training_module() -> ModuleType:
+    """``megatron.training.training``, checked to have what :func:`install` patches."""
+    found = _megatron_core_version()
+    try:
+        from megatron.training import training
+    except ImportError as exc:
+        raise MegatronLMVersionError(
+            f"megatron-core {found} has no megatron.training (Megatron-LM's training loop): the "
+            f"wheel ships it since 0.17. Upgrade megatron-core, or run from a Megatron-LM "
+            f"checkout; with megatron-core alone, wrap the optimizer yourself "
+            f"(NormAwareOptimizer(optimizer, model=model_chunks)). Import error: {exc}"
+        ) from exc
+    missing = [name for name in _PATCHED if not callable(getattr(training, name, None))]
+    if not missing:
+        params = inspect.signature(training.training_log).parameters
+        missing = [f"training_log({name}=...)" for name in _TRAINING_LOG_PARAMS
+                   if name not in params]
+    if missing:
+        raise MegatronLMVersionError(
+            f"megatron.training.training of megatron-core {found} has no {', '.join(missing)}; "
+            f"norm_optim's Megatron-LM integration knows the loop of megatron-core 0.17 to 0.19. "
+            f"Wrap the optimizer yourself (NormAwareOptimizer(optimizer, model=model_chunks)) "
+            f"and log optimizer.param_l2_norm() on every rank at log intervals."
+        )
+    return training
+
+
+def _global_vars() -> ModuleType:
+    from megatron.training import global_vars
+
+    return global_vars
+
+
+def log_reads_params_norm(args: Any, iteration: int, is_first_iteration: bool) -> bool:
+    """Whether ``training_log`` prints or writes ``params_norm`` at this iteration.
+
+    The same answer on every rank, from what every rank has: ``training_log`` prints when
+    ``iteration % log_interval == 0`` or on the first iteration of the run (on the last rank),
+    and writes TensorBoard (and W&B, inside the same block) when ``iteration %
+    tensorboard_log_interval == 0`` on the rank that has a writer. Only the last rank has the
+    writer, so every rank looks at ``args.tensorboard_dir`` instead.
+    """
+    if is_first_iteration or iteration % args.log_interval == 0:
+        return True
+    return bool(getattr(args, "tensorboard_dir", None)) and (
+        iteration % args.tensorboard_log_interval == 0
+    )
+
+
+class ParamsNormWithBreakdown(float):
+    """The total params norm (a ``float``: TensorBoard / W&B get the total) that also shows the
+    dense and expert norms wherever it is formatted.
+
+    ``training_log`` prints ``f' params norm: {params_norm:.3f} |'``; with this value the line
+    reads `` params norm: 20.017 | params norm dense: 18.305 | params norm expert: 8.100 |``.
+    """
+
+    dense: float
+    expert: float
+
+    def __new__(cls, total: float, dense: float, expert: float) -> "ParamsNormWithBreakdown":
+        value = super().__new__(cls, total)
+        value.dense = dense
+        value.expert = expert
+        return value
+
+    def __format__(self, spec: str) -> str:
+        total = float.__format__(self, spec)
+        return (f"{total} | params norm dense: {self.dense:{spec}} | "
+                f"params norm expert: {self.expert:{spec}}")
+
+
+class _DeferredParamsNorm:
+    """What the patched ``calc_params_l2_norm`` returns: nothing is computed until
+    ``training_log`` knows, on every rank alike, that the value is read."""
+
+    def __float__(self) -> float:
+        raise NormOptimError(
+            "norm_optim's Megatron-LM integration defers megatron.training.training."
+            "calc_params_l2_norm to training_log, which reads the norm on every rank at log "
+            "intervals; elsewhere call integration.optimizer.param_l2_norm() on every rank"
+        )
+
+    def __repr__(self) -> str:
+        return "<params norm: read by training_log at log intervals>"
+
+
+# Attribute of each installed replacement: the integration that installed it.
+_OWNER_ATTR = "__norm_optim_integration__"
+
+
+def _replacement(
+    original: Callable[..., Any], method: Callable[..., Any], owner: "MegatronLMIntegration"
+) -> Callable[..., Any]:
+    """``method`` under the original's name, signature (``__wrapped__``) and docstring."""
+
+    @functools.wraps(original)
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    setattr(replacement, _OWNER_ATTR, owner)
+    return replacement
+
+
+class MegatronLMIntegration:
+    """What :func:`install` returns: the live wrapper, and :meth:`uninstall` (also as a context
+    manager) to restore Megatron-LM's functions.
+
+    Attributes:
+        optimizer: the :class:`~norm_optim.NormAwareOptimizer` of the latest
+            ``setup_model_and_optimizer`` (``None`` before it, or with ``--skip-train``).
+        model: the model chunks it was built with.
+    """
+
+    def __init__(self, training: ModuleType, breakdown: bool, wrapper_options: dict) -> None:
+        self.optimizer: Optional[NormAwareOptimizer] = None
+        self.model: Optional[list[Any]] = None
+        self._training = training
+        self._breakdown = breakdown
+        self._wrapper_options = wrapper_options
+        self._originals: dict[str, Callable[..., Any]] = {
+            name: getattr(training, name) for name in _PATCHED
+        }
+        self._log_signature = inspect.signature(training.training_log)
+        self._installed = False
+
+    def _apply(self) -> None:
+        replacements = {
+            "setup_model_and_optimizer": self._setup_model_and_optimizer,
+            "calc_params_l2_norm": self._calc_params_l2_norm,
+            "training_log": self._training_log,
+        }
+        for name in _PATCHED:
+            setattr(self._training, name,
+                    _replacement(self._originals[name], replacements[name], self))
+        self._installed = True
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def uninstall(self) -> None:
+        """Restore Megatron-LM's functions. Safe to call twice. The optimizer already built
+        stays wrapped (it behaves as the optimizer it wraps)."""
+        if self._installed:
+            for name in reversed(_PATCHED):
+                setattr(self._training, name, self._originals[name])
+            self._installed = False
+
+    def __enter__(self) -> "MegatronLMIntegration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # ------------------------------------------------------------ the three replacements
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        model, optimizer, scheduler = self._originals["setup_model_and_optimizer"](*args, **kwargs)
+        if optimizer is not None:  # None with --skip-train
+            optimizer = NormAwareOptimizer(optimizer, model=model, **self._wrapper_options)
+        self.optimizer, self.model = optimizer, model
+        return model, optimizer, scheduler
+
+    def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.optimizer is None:  # no optimizer to read: Megatron's own function
+            return self._originals["calc_params_l2_norm"](model, *args, **kwargs)
+        chunks = model if isinstance(model, list) else [model]
+        if self.model is None or len(chunks) != len(self.model) or any(
+            a is not b for a, b in zip(chunks, self.model)
+        ):
+            raise NormOptimError(
+                "calc_params_l2_norm was called with a model that setup_model_and_optimizer "
+                "did not return; norm_optim's Megatron-LM integration serves the training "
+                "loop's model only"
+            )
+        return _DeferredParamsNorm()
+
+    def _training_log(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._log_signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        norms: Optional[ParamNorms] = None
+        if isinstance(bound.arguments["params_norm"], _DeferredParamsNorm):
+            assert self.optimizer is not None  # the marker is only returned with an optimizer
+            iteration = bound.arguments["iteration"]
+            first = bool(bound.arguments.get("is_first_iteration", False))
+            if log_reads_params_norm(_global_vars().get_args(), iteration, first):
+                norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
+            bound.arguments["params_norm"] = self._value(norms)
+        result = self._originals["training_log"](*bound.args, **bound.kwargs)
+        if norms is not None and self._breakdown:
+            self._write_breakdown(bound.arguments["iteration"], norms)
+        return result
+
+    def _value(self, norms: Optional[ParamNorms]) -> Optional[float]:
+        if norms is None:
+            return None  # training_log does not read params_norm at this iteration
+        if self._breakdown:
+            return ParamsNormWithBreakdown(float(norms.total), float(norms.dense),
+                                           float(norms.expert))
+        return float(norms.total)
+
+    def _write_breakdown(self, iteration: int, norms: ParamNorms) -> None:
+        """TensorBoard / W&B ``params-norm-dense`` and ``params-norm-expert``, next to
+        Megatron's ``params-norm``, where and when ``training_log`` writes that one."""
+        global_vars = _global_vars()
+        args = global_vars.get_args()
+        writer = global_vars.get_tensorboard_writer()
+        if writer is None or iteration % args.tensorboard_log_interval != 0:
+            return
+        scalars = {"params-norm-dense": float(norms.dense),
+                   "params-norm-expert": float(norms.expert)}
+        wandb_writer = global_vars.get_wandb_writer()
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, iteration)
+            if wandb_writer:
+                wandb_writer.log({tag: value}, iteration)
+
+
+def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronLMIntegration:
+    """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
+
+    Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
+    TensorBoard / W&B scalar ``params-norm`` then come from
+    :meth:`~norm_optim.NormAwareOptimizer.param_l2_norms` (each element counted once, on every
+    layout), computed only at the iterations whose log reads them.
+
+    Args:
+        breakdown: also log the dense and expert norms: the log line reads
+            ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
+            / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
+        wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
+            ``pg_collection``, ``group``, ``comm``).
+
+    Returns:
+        A :class:`MegatronLMIntegration`: ``.optimizer`` is the wrapper once built,
+        ``.uninstall()`` (or ``with install(): ...``) restores Megatron-LM's functions.
+
+    Raises:
+        MegatronLMVersionError: megatron-core has no ``megatron.training`` (before 0.17), or its
+            loop lacks what is patched; the message names the version.
+        RuntimeError: already installed (uninstall the first one).
+    """
+    training = _training_module()
+    if any(getattr(getattr(training, name), _OWNER_ATTR, None) is not None for name in _PATCHED):
+        raise RuntimeError(
+            "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
+            "handle install() returned before installing again"
+        )
+    integration = MegatronLMIntegration(training, breakdown, wrapper_options)
+    integration._apply()
+    return integration

@@ -1,0 +1,483 @@
+"""Run Megatron-LM's real training loop (``megatron.training.pretrain``) on CPU gloo ranks.
+
+Since megatron-core 0.17 the wheel ships ``megatron.training``: Megatron-LM's ``pretrain``,
+``train``, ``training_log``, checkpointing and argument parsing. This module runs that loop, a
+tiny GPT (dense or MoE) on mock data, inside a :func:`~norm_optim.testing.run_ranks` rank, so a
+Megatron-LM script (or an integration such as :mod:`norm_optim.integrations.megatron_lm`) can be
+tested without a GPU::
+
+    from norm_optim.testing import run_ranks
+    from norm_optim.testing.megatron_lm import pretrain_gpt, tiny_gpt_args
+
+    def body():
+        return pretrain_gpt(tiny_gpt_args(tp=2, train_iters=3)).log_lines
+
+    print(run_ranks(body, 4)[-1])      # the last rank prints Megatron's log
+
+Megatron-LM's ``pretrain_gpt.py`` is not in the wheel; :func:`pretrain_gpt` does what it does
+(parse the arguments, ``gpt_config_from_args``, ``pretrain_cfg_container_from_args``,
+``pretrain``) with a forward step and a dataset provider built from the wheel's own pieces
+(``MockGPTDataset``, ``get_batch_on_this_tp_rank``, the GPT loss).
+
+**Test-only patches.** On top of the CPU shim (:mod:`norm_optim.testing.shim`, installed by
+``run_ranks``), Megatron-LM's loop needs the patches below; each ``*_patches()`` function
+returns the reversible attribute patches (the shim's ``_Patch``) for one megatron code path and
+says which. :func:`cpu_loop_patches` are those any training loop on megatron-core needs (also
+Megatron-Bridge's: CUDA device count, dataset helper compilation, CUDA RNG state in checkpoints,
+``torch_dist`` saves in a forked rank); :func:`megatron_lm_patches` those of
+``megatron.training`` itself. :func:`megatron_lm_on_cpu` applies both and undoes them. MoE with
+TP needs sequence parallelism, which the local spec's torch norm refuses: that one is not a
+patch but a layer spec (:func:`sequence_parallel_norm_layer_spec`), set on the model config.
+
+Needs megatron-core >= 0.19 (``pretrain`` takes a config container since 0.19); the patches
+themselves apply to 0.17+.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+# Shared with the CPU shim: one reversible attribute patch.
+from norm_optim.testing.shim import _Patch as Patch
+
+__all__ = [
+    "CPU_FLAGS",
+    "PretrainResult",
+    "RecordingSummaryWriter",
+    "compile_helpers_patches",
+    "cpu_loop_patches",
+    "cpu_rng_state_patches",
+    "device_arch_patches",
+    "device_count_patches",
+    "initialize_allow_no_cuda_patches",
+    "jit_fusion_patches",
+    "megatron_lm_on_cpu",
+    "megatron_lm_patches",
+    "patches_applied",
+    "pretrain_gpt",
+    "recording_tensorboard_patches",
+    "sequence_parallel_norm_layer_spec",
+    "tiny_gpt_args",
+    "torch_dist_save_patches",
+]
+
+# Megatron-LM flags that keep the loop off CUDA-only code (fused kernels, TE, apex, torch.compile
+# of the bias fusions: without the two --no-bias-*-fusion flags the first iteration spends
+# ~24 s compiling), with gloo as the backend and the inference RNG tracker (no CUDA RNG).
+CPU_FLAGS: tuple[str, ...] = (
+    "--distributed-backend", "gloo",
+    "--transformer-impl", "local",
+    "--inference-rng-tracker",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--num-workers", "0",
+)
+
+
+# ------------------------------------------------------------------ generic loop patches
+# Needed by any Megatron training loop built on megatron-core (Megatron-LM's, Megatron-Bridge's).
+
+
+def device_count_patches() -> list[Patch]:
+    """``torch.cuda.device_count`` -> 1 and ``torch.cuda.set_device`` a no-op.
+
+    ``_initialize_distributed`` (megatron/training/initialize.py) initializes megatron's parallel
+    state only ``if device_count > 0`` (and calls ``torch.cuda.set_device(local_rank)`` first):
+    with no GPU the loop would run with no model-parallel groups at all.
+    """
+    return [
+        Patch(torch.cuda, "device_count", lambda: 1),
+        Patch(torch.cuda, "set_device", lambda device: None),
+    ]
+
+
+def compile_helpers_patches() -> list[Patch]:
+    """``megatron.core.datasets.utils.compile_helpers`` a no-op.
+
+    ``_compile_dependencies`` runs ``make`` in the datasets package on rank 0; the wheel ships
+    the prebuilt ``helpers_cpp`` extension but no Makefile, so ``make`` fails and the job exits.
+    """
+    from megatron.core.datasets import utils
+
+    return [Patch(utils, "compile_helpers", lambda: None)]
+
+
+def cpu_rng_state_patches() -> list[Patch]:
+    """``torch.cuda.get_rng_state`` / ``set_rng_state`` on the CPU generator.
+
+    A checkpoint stores and restores ``'cuda_rng_state': torch.cuda.get_rng_state()``
+    (``get_rng_state`` / ``load_checkpoint`` in megatron/training/checkpointing.py), which
+    initializes CUDA. The CPU generator's state stands in for it.
+    """
+    return [
+        Patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        Patch(torch.cuda, "set_rng_state",
+              lambda new_state, device="cuda": torch.set_rng_state(new_state)),
+    ]
+
+
+def torch_dist_save_patches() -> list[Patch]:
+    """Let megatron's synchronous ``torch_dist`` checkpoint save run in a ``run_ranks`` rank.
+
+    ``FileSystemWriterAsync`` (megatron/core/dist_checkpointing/strategies/filesystem_async.py)
+    forks one writer process per file, which a daemonic process (``run_ranks`` ranks are) may
+    not do; it collects their results through a ``spawn`` Manager queue, whose server outlives a
+    rank that is killed (and costs ~3 s per save): a ``fork`` queue whose ``put`` is
+    synchronous stands in for it (megatron's ``get_nowait`` right after the put must see it).
+    Without ``psutil`` every writer raises in ``_process_memory()`` outside its ``try`` and the
+    save hangs: it is stubbed then.
+    """
+    import multiprocessing
+    import multiprocessing.queues
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    class SynchronousQueue(multiprocessing.queues.SimpleQueue):
+        def get_nowait(self) -> Any:
+            if self.empty():
+                raise queue.Empty
+            return self.get()
+
+    patches = [
+        Patch(multiprocessing.current_process(), "daemon", False),
+        Patch(filesystem_async, "_results_queue",
+              SynchronousQueue(ctx=multiprocessing.get_context("fork"))),
+    ]
+    if not filesystem_async.HAVE_PSUTIL:
+        patches.append(Patch(filesystem_async, "_process_memory", lambda: 0))
+    return patches
+
+
+def cpu_loop_patches() -> list[Patch]:
+    """The patches any megatron-core training loop needs on CPU (on top of the CPU shim)."""
+    return (device_count_patches() + compile_helpers_patches() + cpu_rng_state_patches()
+            + torch_dist_save_patches())
+
+
+# ------------------------------------------------------------------ megatron.training patches
+
+
+def initialize_allow_no_cuda_patches() -> list[Patch]:
+    """``pretrain`` calls ``initialize_megatron(allow_no_cuda=True)``.
+
+    ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``;
+    ``pretrain`` (megatron/training/training.py, which imported the function by name) never
+    passes it.
+    """
+    from megatron.training import training
+
+    return [Patch(training, "initialize_megatron",
+                  partial(training.initialize_megatron, allow_no_cuda=True))]
+
+
+def jit_fusion_patches() -> list[Patch]:
+    """``set_jit_fusion_options`` a no-op.
+
+    ``pretrain`` calls it; its ``_warmup_jit_function`` allocates with ``device="cuda"`` through
+    ``torch.rand`` (not routed by the shim) to warm up fused bias-GeLU / bias-dropout kernels
+    that ``CPU_FLAGS`` turn off anyway.
+    """
+    from megatron.training import training
+
+    return [Patch(training, "set_jit_fusion_options", lambda *args, **kwargs: None)]
+
+
+def device_arch_patches() -> list[Patch]:
+    """``get_device_arch_version`` -> 9 (Hopper) in argument validation.
+
+    With TP > 1 ``validate_args`` (megatron/training/arguments.py) reads the GPU architecture
+    (``torch.cuda.get_device_properties``) to decide whether ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    is required; on 9 it requires it, which :func:`megatron_lm_on_cpu` sets.
+    """
+    from megatron.training import arguments
+
+    return [Patch(arguments, "get_device_arch_version", lambda: 9)]
+
+
+def megatron_lm_patches() -> list[Patch]:
+    """The patches ``megatron.training``'s own code needs on CPU."""
+    return initialize_allow_no_cuda_patches() + jit_fusion_patches() + device_arch_patches()
+
+
+@contextlib.contextmanager
+def patches_applied(patches: Sequence[Patch]) -> Iterator[None]:
+    """Apply ``patches`` in order; revert the applied ones in reverse order on exit."""
+    applied: list[Patch] = []
+    try:
+        for patch in patches:
+            patch.apply()
+            applied.append(patch)
+        yield
+    finally:
+        for patch in reversed(applied):
+            patch.revert()
+
+
+@contextlib.contextmanager
+def megatron_lm_on_cpu() -> Iterator[None]:
+    """Apply :func:`cpu_loop_patches` and :func:`megatron_lm_patches`, and set
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see :func:`device_arch_patches`); restore all on exit.
+    Needs the CPU shim installed (``run_ranks`` does)."""
+    previous = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    try:
+        with patches_applied(cpu_loop_patches() + megatron_lm_patches()):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = previous
+
+
+def sequence_parallel_norm_layer_spec(model_config: Any, vp_stage: int | None = None) -> Any:
+    """``GPTModelConfig.transformer_layer_spec`` for sequence parallelism with torch norms.
+
+    MoE with TP > 1 requires sequence parallelism, which the local spec's ``WrappedTorchNorm``
+    refuses; this is megatron's default spec with :class:`SequenceParallelTorchNorm` instead.
+    """
+    from megatron.training.models.gpt import default_layer_spec
+
+    from norm_optim.testing.models import _with_sequence_parallel_norms
+
+    return _with_sequence_parallel_norms(default_layer_spec(model_config, vp_stage))
+
+
+class RecordingSummaryWriter:
+    """Stands in for TensorBoard's ``SummaryWriter`` (not installed in CI): records every
+    ``add_scalar(tag, value, step)`` in :attr:`scalars`; every other writer method is a no-op."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: Any, step: int, *args: Any, **kwargs: Any) -> None:
+        self.scalars.append((tag, float(value), int(step)))
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def recording_tensorboard_patches(writer: RecordingSummaryWriter) -> list[Patch]:
+    """Megatron's TensorBoard writer is ``writer`` (on the last rank, with ``--tensorboard-dir``).
+
+    ``_set_tensorboard_writer`` (megatron/training/global_vars.py) builds a ``SummaryWriter``
+    on the last rank only, and silently none when tensorboard is not installed.
+    """
+    from megatron.training import global_vars
+
+    def set_writer(args: Any) -> None:
+        if getattr(args, "tensorboard_dir", None) and args.rank == args.world_size - 1:
+            global_vars._GLOBAL_TENSORBOARD_WRITER = writer
+
+    return [Patch(global_vars, "_set_tensorboard_writer", set_writer)]
+
+
+# ------------------------------------------------------------------ the model, data and step
+
+
+def _get_batch(data_iterator: Any, vp_stage: int | None) -> tuple[Any, ...]:
+    """pretrain_gpt.py's ``get_batch`` without packed sequences, CP and MTP."""
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return (None,) * len(keys)
+    args = get_args()
+    batch = next(data_iterator) if mpu.get_tensor_model_parallel_rank() == 0 else {}
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=1,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    return tuple(batch.get(key) for key in keys)
+
+
+def _loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[Any, ...]:
+    """pretrain_gpt.py's ``loss_func``: summed token losses, token count, the report."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
+                                                    num_tokens.view(1)])}
+
+
+def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+    """pretrain_gpt.py's ``forward_step`` (the GPT forward on one micro-batch)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(_loss, loss_mask)
+
+
+def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -> Any:
+    """pretrain_gpt.py's provider, mock data only (``MockGPTDataset``)."""
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        blend_per_split=None,
+        split=args.split,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+
+    def built_here() -> bool:
+        return (mpu.get_tensor_model_parallel_rank() == 0
+                and is_first_or_last_pipeline_stage(vp_stage))
+
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, built_here, config).build()
+
+
+# ------------------------------------------------------------------ the run
+
+
+def tiny_gpt_args(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    num_experts: int | None = None,
+    use_distributed_optimizer: bool = True,
+    num_distributed_optimizer_instances: int = 1,
+    train_iters: int = 3,
+    log_interval: int = 1,
+    lr: float = 1e-3,
+    micro_batch_size: int = 2,
+    global_batch_size: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """Command-line arguments for a tiny bf16 GPT on mock data (hidden 32, 2 layers, 4 heads,
+    vocab 128, sequence 16), ``--log-params-norm``, on the given layout, plus :data:`CPU_FLAGS`.
+
+    ``global_batch_size`` defaults to one micro-batch per data-parallel rank and PP stage (the
+    world size is read from ``WORLD_SIZE``, which ``run_ranks`` sets in each rank).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = world // (tp * pp)
+    if global_batch_size is None:
+        global_batch_size = micro_batch_size * dp * pp
+    args = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16",
+        "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--mock-data",
+        "--micro-batch-size", str(micro_batch_size),
+        "--global-batch-size", str(global_batch_size),
+        "--train-iters", str(train_iters), "--log-interval", str(log_interval),
+        "--eval-iters", "0", "--eval-interval", str(10**6),
+        "--lr", str(lr), "--min-lr", str(lr), "--lr-decay-style", "constant",
+        "--weight-decay", "0", "--clip-grad", "1.0",
+        "--bf16", "--log-params-norm", "--seed", "1234",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--tensor-model-parallel-size", str(tp),
+        "--pipeline-model-parallel-size", str(pp),
+    ]
+    if use_distributed_optimizer:
+        args += ["--use-distributed-optimizer",
+                 "--num-distributed-optimizer-instances",
+                 str(num_distributed_optimizer_instances)]
+    if num_experts:
+        args += ["--num-experts", str(num_experts), "--moe-router-topk", "2",
+                 "--expert-model-parallel-size", str(ep),
+                 "--moe-ffn-hidden-size", "32", "--disable-bias-linear",
+                 "--moe-token-dispatcher-type", "allgather"]
+        if etp is not None:
+            args += ["--expert-tensor-parallel-size", str(etp)]
+        if tp > 1:
+            args += ["--sequence-parallel"]  # megatron requires it for MoE with TP
+    return args + list(CPU_FLAGS) + list(extra)
+
+
+@dataclass
+class PretrainResult:
+    """What one rank saw of a :func:`pretrain_gpt` run."""
+
+    stdout: str  # everything the rank printed (Megatron's log is on the last rank)
+
+    @property
+    def log_lines(self) -> list[str]:
+        """Megatron's per-iteration log lines (`` [date] iteration  N/ M | ...``)."""
+        return [line for line in self.stdout.splitlines() if " iteration " in line
+                and "consumed samples" in line]
+
+
+def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> PretrainResult:
+    """Run Megatron-LM's ``pretrain`` on a GPT, as ``pretrain_gpt.py`` does, in this rank.
+
+    Call it inside a :func:`~norm_optim.testing.run_ranks` rank (gloo process group up, CPU
+    shim installed). Applies :func:`megatron_lm_on_cpu` for the run. ``argv`` are Megatron-LM
+    command-line arguments (see :func:`tiny_gpt_args`).
+    """
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
+
+    out = io.StringIO()
+    saved_argv = sys.argv
+    with megatron_lm_on_cpu(), contextlib.ExitStack() as stack:
+        if capture_stdout:
+            stack.enter_context(contextlib.redirect_stdout(out))
+        sys.argv = [sys.argv[0], *argv]
+        try:
+            args = parse_and_validate_args()
+        finally:
+            sys.argv = saved_argv
+        model_config = gpt_config_from_args(args)
+        if args.sequence_parallel and args.transformer_impl == "local":
+            model_config.transformer_layer_spec = sequence_parallel_norm_layer_spec
+        setattr(datasets_provider, "is_distributed", True)
+        pretrain(
+            pretrain_cfg_container_from_args(args, model_config),
+            datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+        )
+    return PretrainResult(stdout=out.getvalue())
+

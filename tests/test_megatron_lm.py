@@ -1,0 +1,337 @@
+"""Megatron-LM's real training loop serves ``--log-params-norm`` from norm_optim (issue #11).
+
+Each test runs megatron-core's ``megatron.training.pretrain`` (a tiny GPT on mock data, a few
+iterations) on gloo CPU ranks with ``norm_optim.integrations.megatron_lm.install()``, and checks
+what the loop logs: the ``params norm`` printed in Megatron's log line (3 decimals), and the
+value ``training_log`` received, which it prints and writes to TensorBoard (full precision,
+captured by a spy on the real ``training_log`` inside the integration's wrapper).
+
+The expected value is the layout-independent oracle: right after ``setup_model_and_optimizer``
+every weight is set by ``fill_deterministic_`` (and the fp32 mains reloaded), and ``--lr 0``
+keeps the weights there, so the norm at every logged iteration is ``oracle_norm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import re
+from typing import Any
+
+import pytest
+
+from norm_optim.comm import TorchCommunicator
+from norm_optim.testing import run_ranks
+
+
+def _skip_reason() -> str | None:
+    from norm_optim.integrations.megatron_lm import _megatron_core_version
+
+    version = _megatron_core_version()
+    try:
+        from megatron.training import training
+    except ImportError:
+        return (f"megatron-core {version} has no megatron.training (Megatron-LM's loop ships "
+                f"in the wheel since 0.17)")
+
+    if next(iter(inspect.signature(training.pretrain).parameters)) != "cfg_container":
+        return (f"megatron-core {version}: the pretrain() runner of norm_optim.testing."
+                f"megatron_lm drives the 0.19 API (pretrain(cfg_container, ...))")
+    return None
+
+
+_REASON = _skip_reason()
+# Every test but the one that checks the error without megatron.training.
+needs_loop = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+SEED = 7
+REL = 1e-6
+TIMEOUT = 120.0
+_PRINTED = re.compile(r" params norm: ([0-9.]+) \|")
+
+
+class CountingCommunicator(TorchCommunicator):
+    """torch.distributed, counting norm_optim's all-reduces (to see when they run)."""
+
+    def __init__(self) -> None:
+        self.all_reduces = 0
+
+    def all_reduce_sum(self, tensor: Any, group: Any, async_op: bool) -> Any:
+        self.all_reduces += 1
+        return super().all_reduce_sum(tensor, group, async_op)
+
+
+def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
+         megatron_reference: bool = False) -> dict:
+    """One rank of a ``pretrain`` run; returns what this rank saw.
+
+    Spies (applied before ``install()``, so they sit inside its wrappers): after
+    ``setup_model_and_optimizer`` fill the weights deterministically and compute the oracle;
+    record the ``params_norm`` the real ``training_log`` receives (and, with
+    ``megatron_reference``, Megatron's own ``calc_params_l2_norm`` at that point, every rank).
+    """
+    from megatron.training import training
+    from megatron.training.utils import calc_params_l2_norm
+
+    from norm_optim.integrations import megatron_lm
+    from norm_optim.testing.megatron_lm import (
+        RecordingSummaryWriter,
+        patches_applied,
+        pretrain_gpt,
+        recording_tensorboard_patches,
+        tiny_gpt_args,
+    )
+    from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
+    from norm_optim.testing.shim import _Patch
+
+    seen: dict[str, Any] = {"logged": [], "all_reduces": [], "reference": []}
+    setup, training_log = training.setup_model_and_optimizer, training.training_log
+    comm = CountingCommunicator()
+    model_holder: list = []
+
+    @functools.wraps(setup)
+    def setup_spy(*args: Any, **kwargs: Any) -> Any:
+        model, optimizer, scheduler = setup(*args, **kwargs)
+        if fill:
+            fill_deterministic_(model, SEED, optimizer)
+        shapes = global_param_shapes(model)
+        seen["oracle"] = oracle_norm(shapes, SEED)
+        seen["oracle_expert"] = oracle_norm(
+            {n: s for n, s in shapes.items() if ".mlp.experts." in n}, SEED)
+        model_holder.append(model)
+        return model, optimizer, scheduler
+
+    signature = inspect.signature(training_log)
+
+    @functools.wraps(training_log)
+    def training_log_spy(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs).arguments
+        iteration, params_norm = bound["iteration"], bound["params_norm"]
+        seen["logged"].append((iteration, None if params_norm is None else float(params_norm)))
+        seen["all_reduces"].append(comm.all_reduces)
+        if megatron_reference:
+            seen["reference"].append(calc_params_l2_norm(model_holder[-1]))
+        return training_log(*args, **kwargs)
+
+    writer = RecordingSummaryWriter()
+    patches = [_Patch(training, "setup_model_and_optimizer", setup_spy),
+               _Patch(training, "training_log", training_log_spy),
+               *recording_tensorboard_patches(writer)]
+    with patches_applied(patches), contextlib.ExitStack() as stack:
+        if install is not None:
+            stack.enter_context(megatron_lm.install(comm=comm, **install))
+        result = pretrain_gpt(tiny_gpt_args(**argv_options))
+    seen["printed"] = [float(m.group(1)) for line in result.log_lines
+                       for m in [_PRINTED.search(line)] if m]
+    seen["log_lines"] = result.log_lines
+    seen["scalars"] = writer.scalars
+    return seen
+
+
+def _last(results: list[dict]) -> dict:
+    """The last rank: the one that prints Megatron's log and holds the TensorBoard writer."""
+    return results[-1]
+
+
+def _printed(value: float) -> float:
+    """``value`` as Megatron's log line prints it (``{:.3f}``)."""
+    return float(f"{value:.3f}")
+
+
+def _assert_serves_oracle(results: list[dict], iterations: int = 3) -> dict:
+    """Every rank's ``training_log`` got the oracle at every iteration; the last rank printed it."""
+    for seen in results:
+        logged = [value for _, value in seen["logged"]]
+        assert len(logged) == iterations and None not in logged, seen["logged"]
+        for value in logged:
+            assert value == pytest.approx(seen["oracle"], rel=REL)
+    last = _last(results)
+    assert last["printed"] == [_printed(last["oracle"])] * iterations, last["log_lines"]
+    return last
+
+
+LAYOUTS = {  # name: (world size, tiny_gpt_args options)
+    "dense-dp2": (2, {}),
+    "dense-tp2-pp2": (4, dict(tp=2, pp=2)),
+    "moe-tp2-ep2": (4, dict(tp=2, ep=2, num_experts=4)),
+}
+
+
+@needs_loop
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pretrain_logs_the_oracle_norm(layout: str) -> None:
+    world, options = LAYOUTS[layout]
+    results = run_ranks(_run, world, dict(options, lr=0.0), install={}, timeout=TIMEOUT)
+    _assert_serves_oracle(results)
+
+
+@needs_loop
+def test_two_distributed_optimizer_instances() -> None:
+    """Megatron's own loop prints sqrt(2) x the true norm; with install() it prints the oracle."""
+    options = dict(lr=0.0, num_distributed_optimizer_instances=2)
+    plain = _last(run_ranks(_run, 4, options, install=None, timeout=TIMEOUT))
+    assert len(plain["printed"]) == 3
+    for printed, (_, logged) in zip(plain["printed"], plain["logged"]):
+        assert logged == pytest.approx(math.sqrt(2) * plain["oracle"], rel=1e-5)
+        assert printed == _printed(logged)
+        assert abs(printed - plain["oracle"]) > 1.0  # visibly wrong in Megatron's own log
+
+    _assert_serves_oracle(run_ranks(_run, 4, options, install={}, timeout=TIMEOUT))
+
+
+@needs_loop
+def test_breakdown_in_log_line_and_tensorboard() -> None:
+    options = dict(tp=2, ep=2, num_experts=4, lr=0.0,
+                   extra=("--tensorboard-dir", "unused-by-the-recording-writer",
+                          "--tensorboard-log-interval", "1"))
+    results = run_ranks(_run, 4, options, install=dict(breakdown=True), timeout=TIMEOUT)
+    last = _assert_serves_oracle(results)
+    total, expert = last["oracle"], last["oracle_expert"]
+    dense = math.sqrt(total**2 - expert**2)
+    line = last["log_lines"][0]
+    assert (f" params norm: {total:.3f} | params norm dense: {dense:.3f} | "
+            f"params norm expert: {expert:.3f} |") in line, line
+    scalars = {(tag, step): value for tag, value, step in last["scalars"]}
+    for step in (1, 2, 3):
+        assert scalars[("params-norm", step)] == pytest.approx(total, rel=REL)
+        assert scalars[("params-norm-dense", step)] == pytest.approx(dense, rel=REL)
+        assert scalars[("params-norm-expert", step)] == pytest.approx(expert, rel=REL)
+
+
+@needs_loop
+def test_norm_is_read_only_when_logged() -> None:
+    """One all-reduce at each iteration whose log reads the norm, on every rank, none otherwise.
+
+    ``--log-interval 2 --tensorboard-log-interval 3``, 5 iterations: printed at 1 (the first),
+    2 and 4, written to TensorBoard (last rank) at 3; iteration 5 reads nothing. lr > 0, so the
+    value follows training; on DP2 it equals Megatron's own ``calc_params_l2_norm``.
+    """
+    options = dict(lr=1e-2, train_iters=5, log_interval=2,
+                   extra=("--tensorboard-dir", "unused-by-the-recording-writer",
+                          "--tensorboard-log-interval", "3"))
+    results = run_ranks(_run, 2, options, install={}, fill=False, megatron_reference=True,
+                        timeout=TIMEOUT)
+    for seen in results:  # every rank decides alike
+        assert [it for it, _ in seen["logged"]] == [1, 2, 3, 4, 5]
+        assert [v is not None for _, v in seen["logged"]] == [True, True, True, True, False]
+        counts = seen["all_reduces"]
+        assert [b - a for a, b in zip(counts, counts[1:])] == [1, 1, 1, 0]
+        for (_, value), reference in zip(seen["logged"], seen["reference"]):
+            if value is not None:
+                assert value == pytest.approx(reference, rel=REL)
+    last = _last(results)
+    values = dict(last["logged"])
+    assert len(set(values.values()) - {None}) == 4  # it moved with training
+    assert last["printed"] == [_printed(values[it]) for it in (1, 2, 4)]
+    written = [(step, value) for tag, value, step in last["scalars"] if tag == "params-norm"]
+    assert written == [(3, pytest.approx(values[3], rel=REL))]
+
+
+RESUMES = {
+    # The whole optimizer state is loaded (optimizer.load_state_dict).
+    "float16-optimizer": (dict(use_distributed_optimizer=False), ()),
+    # Weights only: the loader calls optimizer.reload_model_params(). With the distributed
+    # optimizer, loading its parameter state from a torch-format checkpoint fails in megatron
+    # whenever the inner optimizer is torch.optim.Adam (no TE / Apex): its per-param 'step'
+    # tensor is not saved, and _set_main_param_and_optimizer_states raises KeyError: 'step'.
+    "distributed-optimizer-weights": (dict(), ("--no-load-optim",)),
+    # Megatron-LM's default format, the whole optimizer state. (Not with the distributed
+    # optimizer: building its sharded state dict to load into asserts one Adam 'step' over the
+    # torch.optim.Adam state, which a run that has not stepped yet does not have.)
+    "float16-optimizer-torch-dist": (dict(use_distributed_optimizer=False,
+                                          ckpt_format="torch_dist"), ()),
+}
+
+
+@needs_loop
+@pytest.mark.parametrize("resume", RESUMES)
+def test_save_and_resume(tmp_path: Any, resume: str) -> None:
+    """A checkpoint saved at iteration 2 and loaded by a new run: the resumed run logs the
+    oracle of the saved weights (the new run's own init is random: no fill)."""
+    options, load_flags = dict(RESUMES[resume][0]), RESUMES[resume][1]
+    ckpt_format = options.pop("ckpt_format", "torch")
+    save = ["--save", str(tmp_path), "--save-interval", "2", "--ckpt-format", ckpt_format]
+    first = run_ranks(_run, 2, dict(options, lr=0.0, train_iters=2, extra=save), install={},
+                      timeout=TIMEOUT)
+    _assert_serves_oracle(first, iterations=2)
+    # The LR schedule of the longer resumed run differs from the saved one's (lr stays 0), and
+    # the inference RNG tracker (CPU_FLAGS: no CUDA RNG) saves no tracker states, which
+    # load_checkpoint refuses unless --no-load-rng.
+    load = ["--load", str(tmp_path), "--ckpt-format", ckpt_format, "--override-opt-param-scheduler",
+            "--no-load-rng", *load_flags]
+    resumed = _last(run_ranks(_run, 2, dict(options, lr=0.0, train_iters=4, extra=load),
+                              install={}, fill=False, timeout=TIMEOUT))
+    oracle = _last(first)["oracle"]
+    assert [it for it, _ in resumed["logged"]] == [3, 4]
+    for _, value in resumed["logged"]:
+        assert value == pytest.approx(oracle, rel=REL)
+    assert resumed["printed"] == [_printed(oracle)] * 2
+
+
+@pytest.mark.skipif(_REASON is None, reason="megatron.training is present")
+def test_install_without_megatron_training_names_the_version() -> None:
+    from norm_optim.integrations.megatron_lm import MegatronLMVersionError, install
+
+    with pytest.raises(MegatronLMVersionError, match=r"megatron-core \S+ has no megatron.training"):
+        install()
+
+
+@needs_loop
+def test_install_refuses_an_unknown_loop(monkeypatch: Any) -> None:
+    from megatron.training import training
+
+    from norm_optim.integrations.megatron_lm import MegatronLMVersionError, install
+
+    monkeypatch.setattr(training, "training_log", lambda loss_dict, iteration: None)
+    with pytest.raises(MegatronLMVersionError, match=r"of megatron-core \S+ has no "
+                       r"training_log\(params_norm=...\)"):
+        install()
+
+
+@needs_loop
+def test_uninstall_restores_megatron_functions() -> None:
+    from megatron.training import training
+
+    from norm_optim.integrations.megatron_lm import install
+
+    names = ("setup_model_and_optimizer", "calc_params_l2_norm", "training_log")
+    before = [getattr(training, name) for name in names]
+    with install() as handle:
+        assert all(getattr(training, n) is not f for n, f in zip(names, before))
+        assert inspect.signature(training.training_log) == inspect.signature(before[2])
+        with pytest.raises(RuntimeError, match="already installed"):
+            install()
+    assert [getattr(training, name) for name in names] == before
+    handle.uninstall()  # twice is fine
+    assert [getattr(training, name) for name in names] == before
+
+
+@needs_loop
+@pytest.mark.parametrize("iteration, first, tensorboard, expected", [
+    (5, True, None, True),      # the first iteration of a run always prints
+    (10, False, None, True),    # log interval
+    (15, False, None, False),
+    (15, False, "tb", False),
+    (12, False, "tb", True),    # TensorBoard interval, on every rank alike
+    (12, False, None, False),   # no --tensorboard-dir: nothing writes it
+])
+def test_log_reads_params_norm(iteration: int, first: bool, tensorboard: str | None,
+                               expected: bool) -> None:
+    from argparse import Namespace
+
+    from norm_optim.integrations.megatron_lm import log_reads_params_norm
+
+    args = Namespace(log_interval=10, tensorboard_log_interval=4, tensorboard_dir=tensorboard)
+    assert log_reads_params_norm(args, iteration, first) is expected
+
+
+@needs_loop
+def test_breakdown_value_is_the_total_float() -> None:
+    from norm_optim.integrations.megatron_lm import ParamsNormWithBreakdown
+
+    value = ParamsNormWithBreakdown(5.0, 3.0, 4.0)
+    assert value == 5.0 and float(value) == 5.0
+    assert f" params norm: {value:.3f} |" == (
+        " params norm: 5.000 | params norm dense: 3.000 | params norm expert: 4.000 |")
