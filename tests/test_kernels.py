@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from norm_optim import kernels
 from norm_optim.kernels import SumOfSquaresPlan
+from norm_optim.kernels.rows import ROW
 
 
 def _reference(tensors, slots, num_slots):
@@ -136,17 +136,13 @@ def test_views_share_storage():
     tensors = [torch.randn(n) for n in (5, 70_000, 1_000_000)] + [torch.randn(50, 40).t()]
     plan = SumOfSquaresPlan(tensors, [0, 0, 0, 0], 1)
     pointers = {t.untyped_storage().data_ptr() for t in tensors}
-    held = []
-    for group in plan._groups.values():
-        for flush in group._flushes:
-            for item in flush.items:
-                held.extend(item.pieces if isinstance(item, kernels._PackedBlock) else [item])
-        held.extend(group._strided)
-    held = [v for v in held if v.dtype == torch.float32 and v.numel()]
+    held = [v for v in plan.views() if v.dtype == torch.float32 and v.numel()]
     zero_pad = {v.untyped_storage().data_ptr() for v in held} - pointers
     assert len(zero_pad) <= 1  # the one shared row of zeros used for padding
-    pad_numel = {v.untyped_storage().nbytes() for v in held if v.untyped_storage().data_ptr() in zero_pad}
-    assert pad_numel <= {kernels._ROW * 4}
+    pads = [v for v in held if v.untyped_storage().data_ptr() in zero_pad]
+    assert all(not v.any() for v in pads), "padding must be zeros"
+    # One row of zeros, however many tensors were padded with it.
+    assert {v.untyped_storage().nbytes() for v in pads} <= {ROW * 4}
     assert pointers <= {v.untyped_storage().data_ptr() for v in held}
 
 
@@ -199,7 +195,12 @@ def test_out_device_and_reporting():
     plan = SumOfSquaresPlan(tensors, [0, 0], 1, out_device=torch.device("cpu"))
     assert plan.num_tensors == 2 and plan.numel == 7 and plan.nbytes == 3 * 4 + 4 * 2
     assert plan().item() == pytest.approx(7.0, rel=1e-7)
-    assert all(isinstance(name, str) for name in plan.backends.values())
+    assert plan.backends == {
+        (torch.device("cpu"), torch.float32): "cpu row norms",
+        (torch.device("cpu"), torch.bfloat16): "cpu row norms",
+    }
+    float64 = SumOfSquaresPlan([torch.ones(3, dtype=torch.float64)], [0], 1)
+    assert float64.backends == {(torch.device("cpu"), torch.float64): "torch._foreach_norm"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

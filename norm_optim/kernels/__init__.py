@@ -1,0 +1,13 @@
+"""Sums of squares over a fixed list of tensors, accurate and with bounded memory.
+
+- :mod:`.plan` — :class:`SumOfSquaresPlan`, the one entry point: groups tensors by (device,
+  dtype) once, then one reduction per group per call.
+- :mod:`.rows` — CPU: short fp32 row norms summed in float64, small tensors packed in blocks.
+- :mod:`.fused` — accelerators: apex / Transformer Engine / torch fused multi-tensor norms.
+- :mod:`.remainders` — Transformer Engine's bf16 + int16 encoding of fp32 masters.
+"""
+
+from .plan import SumOfSquaresPlan
+from .remainders import RemainderMaster, Summand
+
+__all__ = ["RemainderMaster", "SumOfSquaresPlan", "Summand"]
