@@ -7,6 +7,7 @@ The wrapper holds no layout logic: it delegates everything to the wrapped optimi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -18,10 +19,21 @@ from .registry import ParamRegistry
 from .sources import fingerprint
 from .versions import warn_if_untested
 
-_OWN_ATTRIBUTES = frozenset(
-    {"_optimizer", "_model", "_count_frozen", "_pg_collection", "_group", "_comm", "_coords",
-     "_reducer", "_fingerprint", "_names"}
-)
+@dataclasses.dataclass
+class _State:
+    """Everything the wrapper itself holds, kept in one object so that no attribute of its own
+    can ever be written onto (or read from) the wrapped optimizer by mistake: every other
+    attribute, get or set, is the wrapped optimizer's."""
+
+    optimizer: Any
+    model: Any
+    count_frozen: bool
+    group: ProcessGroup
+    comm: Communicator
+    coords: RankCoords
+    reducer: Optional[NormReducer] = None
+    fingerprint: Optional[tuple] = None  # None: nothing built yet
+    names: Optional[list[tuple[str, bool]]] = None  # gathered per-param names, kept across rebuilds
 
 
 def _replaces_tensors(name: str) -> Callable[..., Any]:
@@ -30,7 +42,7 @@ def _replaces_tensors(name: str) -> Callable[..., Any]:
 
     def method(self: "NormAwareOptimizer", *args: Any, **kwargs: Any) -> Any:
         try:
-            return getattr(self._optimizer, name)(*args, **kwargs)
+            return getattr(self._state.optimizer, name)(*args, **kwargs)
         finally:
             self._drop_reducer()
 
@@ -73,21 +85,16 @@ class NormAwareOptimizer:
         if isinstance(optimizer, NormAwareOptimizer):
             raise TypeError("the optimizer is already a NormAwareOptimizer; wrap it once")
         warn_if_untested()
-        object.__setattr__(self, "_optimizer", optimizer)
-        self._model = model
-        self._count_frozen = count_frozen
-        self._pg_collection = pg_collection
-        self._group = group
-        self._comm = comm if comm is not None else TorchCommunicator()
-        self._coords = (
-            RankCoords.from_pg_collection(pg_collection, self._comm)
+        comm = comm if comm is not None else TorchCommunicator()
+        coords = (
+            RankCoords.from_pg_collection(pg_collection, comm)
             if pg_collection is not None
-            else RankCoords.from_parallel_state(self._comm)
+            else RankCoords.from_parallel_state(comm)
         )
-        check_reduce_group(self._comm, group, pg_collection)
-        self._reducer: Optional[NormReducer] = None
-        self._fingerprint: tuple = ()
-        self._names: Optional[list[tuple[str, bool]]] = None
+        check_reduce_group(comm, group, pg_collection)
+        object.__setattr__(
+            self, "_state", _State(optimizer, model, count_frozen, group, comm, coords)
+        )
         self._current_reducer()  # build now: bad input fails at wrap time, not at log time
 
     # ---------------------------------------------------------------- the norm
@@ -126,7 +133,7 @@ class NormAwareOptimizer:
     @property
     def wrapped_optimizer(self) -> Any:
         """The optimizer this one wraps."""
-        return self._optimizer
+        return self._state.optimizer
 
     def refresh(self) -> None:
         """Rebuild the registry now (after replacing optimizer tensors behind our back)."""
@@ -139,28 +146,31 @@ class NormAwareOptimizer:
         The reducer's plan holds views of the old tensors; dropping it at once lets memory that
         ``offload_to_cpu`` moved away actually be freed. The gathered per-param names stay valid.
         """
-        if self._reducer is not None:
-            self._names = self._reducer.names
-        self._reducer = None
+        state = self._state
+        if state.reducer is not None:
+            state.names = state.reducer.names
+        state.reducer = None
 
     def _current_reducer(self) -> NormReducer:
         # O(param groups) check: rebuild only when the optimizer (or the model's frozen params,
         # which no optimizer holds) replaced its tensors.
-        watched = self._reducer.registry.watched if self._reducer is not None else ()
-        if self._reducer is None or fingerprint(self._optimizer, watched) != self._fingerprint:
+        state = self._state
+        watched = state.reducer.registry.watched if state.reducer is not None else ()
+        if state.reducer is None or fingerprint(state.optimizer, watched) != state.fingerprint:
             registry = ParamRegistry(
-                self._optimizer,
-                self._model,
-                coords=self._coords,
-                comm=self._comm,
-                count_frozen=self._count_frozen,
+                state.optimizer,
+                state.model,
+                coords=state.coords,
+                comm=state.comm,
+                count_frozen=state.count_frozen,
             )
+            first_build = state.fingerprint is None
             self._drop_reducer()  # keeps the gathered per-param names
-            self._reducer = NormReducer(
-                registry, self._comm, self._group, self._names, warm_up=not self._fingerprint
+            state.reducer = NormReducer(
+                registry, state.comm, state.group, state.names, warm_up=first_build
             )
-            self._fingerprint = fingerprint(self._optimizer, registry.watched)
-        return self._reducer
+            state.fingerprint = fingerprint(state.optimizer, registry.watched)
+        return state.reducer
 
     # ---------------------------------------------------------------- delegation
     # Everything not defined here (step, zero_grad, state_dict, sharded_state_dict,
@@ -175,30 +185,40 @@ class NormAwareOptimizer:
 
     @property
     def param_groups(self) -> Any:
-        return self._optimizer.param_groups
+        return self._state.optimizer.param_groups
 
     @param_groups.setter
     def param_groups(self, value: Any) -> None:
-        self._optimizer.param_groups = value
+        self._state.optimizer.param_groups = value
         self._drop_reducer()
 
+    # isinstance(wrapper, ChainedOptimizer) etc. must keep passing in training code, so
+    # ``__class__`` is the wrapped optimizer's; ``type(wrapper)`` is still NormAwareOptimizer.
+    # What that implies: ``isinstance`` sees both classes; pickle and ``copy`` would rebuild
+    # an object of the wrapped class from the wrapper's fields, so both are refused below
+    # (checkpoint the optimizer through ``state_dict()`` / ``sharded_state_dict()``, as megatron
+    # does; its optimizers hold process groups and are not picklable either).
     @property  # type: ignore[misc]
     def __class__(self) -> type:
-        # isinstance(wrapper, ChainedOptimizer) etc. must keep passing in training code;
-        # type(wrapper) is still NormAwareOptimizer.
-        return type(self._optimizer)
+        return type(self._state.optimizer)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a NormAwareOptimizer cannot be pickled or copied: save the optimizer with "
+            "state_dict() / sharded_state_dict() and wrap the restored optimizer again"
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names not found on the wrapper itself.
-        if name == "_optimizer":
+        if name == "_state":  # during unpickling-like construction paths: no recursion
             raise AttributeError(name)
-        return getattr(self._optimizer, name)
+        return getattr(self._state.optimizer, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN_ATTRIBUTES or name == "param_groups":
-            object.__setattr__(self, name, value)
+        if name == "param_groups":
+            object.__setattr__(self, name, value)  # the property above
         else:
-            setattr(self._optimizer, name, value)
+            setattr(self._state.optimizer, name, value)
 
     def __repr__(self) -> str:
-        return f"NormAwareOptimizer({self._optimizer!r})"
+        return f"NormAwareOptimizer({self._state.optimizer!r})"

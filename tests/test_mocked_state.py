@@ -210,12 +210,52 @@ def test_wrapper_is_transparent() -> None:
     inner = float16_optimizer(model)
     optimizer = NormAwareOptimizer(inner, model=model)
     assert isinstance(optimizer, Float16OptimizerWithFloat16Params)
-    assert optimizer.param_groups is not None and optimizer.config is inner.config
+    assert type(optimizer) is NormAwareOptimizer
+    assert optimizer.param_groups is inner.param_groups and optimizer.config is inner.config
     optimizer.custom_flag = 7
     assert inner.custom_flag == 7
+    # The wrapper's own state never lands on the wrapped optimizer, whatever its names.
+    assert set(vars(optimizer)) == {"_state"}
+    assert not any(name.startswith("_state") for name in vars(inner))
+    optimizer.reducer = "written through"  # a name the wrapper's state also uses
+    assert inner.reducer == "written through" and optimizer.registry is not None
     assert optimizer.wrapped_optimizer is inner
     with pytest.raises(TypeError, match="already a NormAwareOptimizer"):
         NormAwareOptimizer(optimizer)
+
+
+def test_wrapper_refuses_pickle_and_copy() -> None:
+    """``__class__`` is the wrapped class (for isinstance): pickle and copy would rebuild the
+    wrong object, so they are refused with the way out."""
+    import copy
+    import pickle
+
+    model = TinyMoE()
+    optimizer = NormAwareOptimizer(float16_optimizer(model), model=model)
+    for clone in (pickle.dumps, copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="state_dict"):
+            clone(optimizer)
+
+
+def test_refresh_and_param_groups_setter_rebuild_the_registry() -> None:
+    model = TinyMoE()
+    inner = float16_optimizer(model)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    first = optimizer.registry
+    optimizer.refresh()
+    assert optimizer.registry is not first
+    expected = float(optimizer.param_l2_norm())
+    # Replace every fp32 main param behind the wrapper's back, in place of the group's list
+    # (same list object, same storage: only refresh() can tell).
+    for group in inner.fp32_from_float16_groups:
+        for main in group:
+            main.data = main.data * 2
+    optimizer.refresh()
+    assert float(optimizer.param_l2_norm()) == pytest.approx(2 * expected, rel=1e-7)
+    # The setter hands the groups to the wrapped optimizer and rebuilds.
+    before = optimizer.registry
+    optimizer.param_groups = inner.param_groups
+    assert optimizer.registry is not before and inner.param_groups is optimizer.param_groups
 
 
 def test_registry_rebuilds_after_load_state_dict() -> None:
