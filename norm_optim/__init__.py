@@ -7,7 +7,7 @@ Wrap the optimizer once; ask for the norm at log intervals::
     norm = optimizer.param_l2_norm()   # float(norm) is the global L2 norm of the weights
 """
 
-from .comm import Communicator, RecordingCommunicator, TorchCommunicator
+from .comm import Communicator, TorchCommunicator
 from .errors import NormOptimError, ParallelStateError, UnknownParamError, UnsupportedOptimizerError
 from .norm import ParamNorms, PendingNorms
 from .ownership import RankCoords
@@ -24,7 +24,6 @@ __all__ = [
     "ParamRegistry",
     "PendingNorms",
     "RankCoords",
-    "RecordingCommunicator",
     "TorchCommunicator",
     "UnknownParamError",
     "UnsupportedOptimizerError",

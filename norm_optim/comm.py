@@ -6,7 +6,7 @@ recording fake and see exactly which groups are used and how many collectives ru
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -14,21 +14,19 @@ import torch.distributed as dist
 ProcessGroup = Any  # ``torch.distributed.ProcessGroup`` or ``None`` for the default group
 
 
-@runtime_checkable
 class Work(Protocol):
     """What an asynchronous collective returns: ``wait()`` orders later work after it."""
 
     def wait(self) -> Any: ...
 
 
-class _Done:
+class Done:
     """A finished piece of work (for the single-process case and blocking calls)."""
 
     def wait(self) -> bool:
         return True
 
 
-@runtime_checkable
 class Communicator(Protocol):
     """All-reduce and rank queries over process groups."""
 
@@ -92,9 +90,9 @@ class TorchCommunicator:
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: ProcessGroup, async_op: bool) -> Work:
         if not self.is_distributed():
-            return _Done()
+            return Done()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return work if async_op else _Done()
+        return work if async_op else Done()
 
     def all_gather_object(self, obj: Any, group: ProcessGroup) -> list[Any]:
         if not self.is_distributed():
@@ -102,49 +100,3 @@ class TorchCommunicator:
         out: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, obj, group=group)
         return out
-
-
-class RecordingCommunicator:
-    """A single-process stand-in that records every collective (for unit tests).
-
-    It does not talk to any other process: ``all_reduce_sum`` leaves the tensor as it is (the
-    sum over a group of one), or adds ``peers`` — tensors the test supplies as the other ranks'
-    contributions — so a test can run one rank's code under a mocked parallel state.
-    """
-
-    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu") -> None:
-        self._rank, self._size, self._device = rank, size, torch.device(device)
-        self.calls: list[tuple[str, ProcessGroup, Optional[torch.Size]]] = []
-        self.peers: list[torch.Tensor] = []
-
-    def is_distributed(self) -> bool:
-        return self._size > 1
-
-    def rank(self, group: ProcessGroup) -> int:
-        return self._rank
-
-    def size(self, group: ProcessGroup) -> int:
-        return self._size
-
-    def first_rank(self, group: ProcessGroup) -> int:
-        return 0
-
-    def group_ranks(self, group: ProcessGroup) -> frozenset[int]:
-        return frozenset(range(self._size))
-
-    def device(self, group: ProcessGroup) -> torch.device:
-        return self._device
-
-    def all_reduce_sum(self, tensor: torch.Tensor, group: ProcessGroup, async_op: bool) -> Work:
-        self.calls.append(("all_reduce", group, tensor.shape))
-        for peer in self.peers:
-            tensor.add_(peer.to(tensor.device, tensor.dtype))
-        return _Done()
-
-    def all_gather_object(self, obj: Any, group: ProcessGroup) -> list[Any]:
-        self.calls.append(("all_gather_object", group, None))
-        return [obj]
-
-    @property
-    def num_all_reduces(self) -> int:
-        return sum(1 for kind, _, _ in self.calls if kind == "all_reduce")

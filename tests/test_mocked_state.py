@@ -23,11 +23,10 @@ from norm_optim import (
     NormOptimError,
     NormAwareOptimizer,
     ParallelStateError,
-    RecordingCommunicator,
     UnknownParamError,
     UnsupportedOptimizerError,
 )
-from norm_optim.testing import cpu_shim
+from norm_optim.testing import RecordingCommunicator, cpu_shim
 from norm_optim.versions import megatron_at_least
 
 

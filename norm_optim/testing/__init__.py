@@ -24,6 +24,7 @@ A multi-rank test::
             assert norm == pytest.approx(expected, rel=1e-6)
 """
 
+from norm_optim.testing.comm import RecordingCommunicator
 from norm_optim.testing.launcher import RankFailedError, RankTimeoutError, init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import (
@@ -45,6 +46,7 @@ __all__ = [
     "CpuShim",
     "RankFailedError",
     "RankTimeoutError",
+    "RecordingCommunicator",
     "SequenceParallelTorchNorm",
     "TinyGPTConfig",
     "build_model",
