@@ -221,6 +221,10 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
     split = optimizer.param_l2_norms()
     per_param = optimizer.param_l2_norms(per_param=True)
     collectives = Counting.all_reduces / 3
+    # The asynchronous path: gloo's real async all-reduce, waited on after other work.
+    pending = optimizer.param_l2_norms_async(per_param=True)
+    torch.ones(1000).sum()
+    async_norms = pending.wait()
 
     owned_storage = {t.untyped_storage().data_ptr() for g in inner.param_groups for t in g["params"]}
     frozen_storage = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()
@@ -235,6 +239,8 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
         "expert": float(split.expert),
         "per_param": {k: float(v) for k, v in per_param.per_param.items()},
         "first_per_param_total": float(norms.total),
+        "async": (float(async_norms.total), float(async_norms.expert),
+                  {k: float(v) for k, v in async_norms.per_param.items()}),
         "collectives": collectives,
         "shares_storage": shares_storage,
         "shapes": shapes,
@@ -275,6 +281,11 @@ def test_param_norm_matches_unparallel_oracle(
         for param_name, value in got["per_param"].items():
             assert value == pytest.approx(math.sqrt(scaled[param_name]), rel=REL), param_name
         assert got["collectives"] == 1, "one all-reduce per call, breakdowns included"
+        # The asynchronous call gives what the blocking one gives.
+        async_total, async_expert, async_per_param = got["async"]
+        assert async_total == pytest.approx(got["total"], rel=1e-12)
+        assert async_expert == pytest.approx(got["expert"], rel=1e-12, abs=1e-12)
+        assert async_per_param == pytest.approx(got["per_param"], rel=1e-12)
         assert got["shares_storage"], "a summed tensor is a copy, not the optimizer's own"
     assert any(r["counted_anything"] for r in results)
 
