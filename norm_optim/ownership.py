@@ -32,13 +32,9 @@ A new layout is a new row here, not a new code path elsewhere.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-
-from .comm import Communicator
-from .errors import ParallelStateError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,150 +70,6 @@ class RankCoords:
     expert_gtp: int = 0
     expert_groups_known: bool = True
     experts_need_model: bool = False
-
-    @classmethod
-    def from_parallel_state(cls, comm: Communicator) -> "RankCoords":
-        """Read the coordinates from megatron's global parallel state.
-
-        In a plain single process (no ``torch.distributed``) every coordinate is 0. With several
-        processes and no parallel state, counting would be a guess, so it is an error.
-        """
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            if comm.is_distributed() and comm.size(None) > 1:
-                raise ParallelStateError(
-                    "megatron's parallel state is not initialized but torch.distributed runs "
-                    f"{comm.size(None)} ranks: call parallel_state.initialize_model_parallel(...) "
-                    "before wrapping the optimizer, or pass pg_collection=..."
-                )
-            return cls()
-        # Since 0.19 the DP getters include the GTP weight-remat axis by default; the
-        # distributed optimizer shards (and replicas are told apart) over the group without it.
-        replicate = _without_gtp_remat
-        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True, **replicate(ps))
-        expert_dp_group = ps.get_expert_data_parallel_group(
-            check_initialized=False, **replicate(ps)
-        )
-        tp_size = ps.get_tensor_model_parallel_world_size()
-        return cls(
-            tp=ps.get_tensor_model_parallel_rank(),
-            expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
-            dp_cp=ps.get_data_parallel_rank(with_context_parallel=True, **replicate(ps)),
-            expert_dp=ps.get_expert_data_parallel_rank(**replicate(ps)),
-            dp_cp_first=comm.first_rank(dp_cp_group),
-            expert_dp_first=comm.first_rank(expert_dp_group),
-            gtp=_gtp_rank(ps, "get_gtp_weight_remat_group", comm),
-            expert_gtp=_gtp_rank(ps, "get_expert_gtp_weight_remat_group", comm),
-            experts_need_model=ps.get_expert_model_parallel_world_size() == 1
-            and (
-                (ps.get_expert_tensor_parallel_world_size() or tp_size) != tp_size
-                or ps.get_expert_data_parallel_world_size(**replicate(ps))
-                != ps.get_data_parallel_world_size(with_context_parallel=True, **replicate(ps))
-            ),
-        )
-
-    @classmethod
-    def from_pg_collection(cls, pg_collection: object, comm: Communicator) -> "RankCoords":
-        """Read the coordinates from an explicit megatron ``ProcessGroupCollection``.
-
-        Its ``dp_cp`` / ``expt_dp`` are megatron's replicate groups (without the GTP axis), its
-        ``gtp_remat`` / ``expt_gtp_remat`` the GTP weight-remat groups (megatron-core >= 0.19).
-        """
-        # Since 0.19 a collection reads every declared but unset field as None (a class
-        # __getattr__), so presence is a value check, not hasattr.
-        def group(name: str) -> Any:
-            return getattr(pg_collection, name, None)
-
-        missing = [name for name in ("tp", "dp_cp") if group(name) is None]
-        if missing:
-            raise ParallelStateError(
-                f"pg_collection lacks the process groups {missing}; it needs at least tp and "
-                "dp_cp (and expt_tp, expt_dp for MoE models)"
-            )
-        tp_group, dp_cp_group = group("tp"), group("dp_cp")
-        expert_tp_group, expert_dp_group, ep_group = group("expt_tp"), group("expt_dp"), group("ep")
-        gtp = _rank_or_zero(comm, group("gtp_remat"))
-        expert_gtp = _rank_or_zero(comm, group("expt_gtp_remat"))
-        if expert_tp_group is None or expert_dp_group is None:
-            return cls(
-                tp=comm.rank(tp_group),
-                dp_cp=comm.rank(dp_cp_group),
-                dp_cp_first=comm.first_rank(dp_cp_group),
-                gtp=gtp,
-                expert_groups_known=False,
-            )
-        return cls(
-            tp=comm.rank(tp_group),
-            expert_tp=comm.rank(expert_tp_group),
-            dp_cp=comm.rank(dp_cp_group),
-            expert_dp=comm.rank(expert_dp_group),
-            dp_cp_first=comm.first_rank(dp_cp_group),
-            expert_dp_first=comm.first_rank(expert_dp_group),
-            experts_need_model=(ep_group is None or comm.size(ep_group) == 1)
-            and (
-                comm.size(expert_tp_group) != comm.size(tp_group)
-                or comm.size(expert_dp_group) != comm.size(dp_cp_group)
-            ),
-            gtp=gtp,
-            expert_gtp=expert_gtp,
-        )
-
-
-def _without_gtp_remat(ps: Any) -> dict[str, bool]:
-    """``with_gtp_remat=False`` where megatron's DP getters take it (0.19+), else nothing."""
-    takes = "with_gtp_remat" in inspect.signature(ps.get_data_parallel_rank).parameters
-    return {"with_gtp_remat": False} if takes else {}
-
-
-def _gtp_rank(ps: Any, getter: str, comm: Communicator) -> int:
-    """This rank's place in a GTP weight-remat group (0 where megatron has none)."""
-    get_group = getattr(ps, getter, None)
-    return _rank_or_zero(comm, get_group(check_initialized=False) if get_group else None)
-
-
-def _rank_or_zero(comm: Communicator, group: Any) -> int:
-    return comm.rank(group) if group is not None else 0
-
-
-def check_reduce_group(comm: Communicator, group: object, pg_collection: object = None) -> None:
-    """Refuse a reduction group that misses ranks holding parts of this rank's model.
-
-    Each element is counted on one rank only, so a group without, say, the other TP ranks would
-    silently leave their shards out. A local check (no collective): this rank's TP, PP, DP×CP,
-    EP and expert-DP groups must all lie inside ``group``.
-    """
-    if group is None or not comm.is_distributed():
-        return
-    if pg_collection is not None:
-        names = ("tp", "pp", "dp_cp", "ep", "expt_dp", "gtp_remat", "expt_gtp_remat")
-        groups = [getattr(pg_collection, name, None) for name in names]
-    else:
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            return
-        groups = [
-            ps.get_tensor_model_parallel_group(),
-            ps.get_pipeline_model_parallel_group(),
-            ps.get_data_parallel_group(with_context_parallel=True),
-            ps.get_expert_model_parallel_group(check_initialized=False),
-            ps.get_expert_data_parallel_group(check_initialized=False),
-            getattr(ps, "get_gtp_weight_remat_group", lambda **_: None)(check_initialized=False),
-        ]
-    held = set().union(*(comm.group_ranks(g) for g in groups if g is not None))
-    missing = sorted(held - comm.group_ranks(group))
-    if missing:
-        raise ParallelStateError(
-            f"group= lacks ranks {missing[:8]} that hold parts of the model (this rank's TP / PP / "
-            "DP / EP groups): reduce over a group that contains the whole model, e.g. the "
-            "default group (group=None)"
-        )
-
-
-def _or_zero(rank: Optional[int]) -> int:
-    # megatron returns None for the expert-TP rank when no expert-TP group was built.
-    return 0 if rank is None else int(rank)
 
 
 def why_not_counted(

@@ -1,6 +1,6 @@
 """The registry: for each model param, the fp32 tensor this rank holds for it and whether it counts.
 
-Built once, in O(params), from the optimizer (:mod:`norm_optim.sources`) and the counting rule
+Built once, in O(params), from the optimizer (:mod:`norm_optim.megatron`) and the counting rule
 (:mod:`norm_optim.ownership`). The hot call only reads :attr:`ParamRegistry.counted`, already
 grouped into kernel plans; it never walks params.
 """
@@ -16,8 +16,7 @@ from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
 from .ownership import RankCoords, why_not_counted
-from .sources import Holding, read_holdings
-from .traits import ModelStructure, param_traits, without_padding
+from .megatron import Holding, ModelStructure, param_traits, read_holdings, without_padding
 
 DENSE, EXPERT = 0, 1
 """Slots of the dense and expert sums of squares in every reduced vector."""

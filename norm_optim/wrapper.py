@@ -14,9 +14,9 @@ import torch
 
 from .comm import Communicator, ProcessGroup, TorchCommunicator
 from .norm import NormReducer, ParamNorms, PendingNorms
-from .ownership import RankCoords, check_reduce_group
+from .megatron import check_reduce_group, fingerprint, rank_coords
+from .ownership import RankCoords
 from .registry import ParamRegistry
-from .sources import fingerprint
 from .versions import warn_if_untested
 
 @dataclasses.dataclass
@@ -86,11 +86,7 @@ class NormAwareOptimizer:
             raise TypeError("the optimizer is already a NormAwareOptimizer; wrap it once")
         warn_if_untested()
         comm = comm if comm is not None else TorchCommunicator()
-        coords = (
-            RankCoords.from_pg_collection(pg_collection, comm)
-            if pg_collection is not None
-            else RankCoords.from_parallel_state(comm)
-        )
+        coords = rank_coords(comm, pg_collection)
         check_reduce_group(comm, group, pg_collection)
         object.__setattr__(
             self, "_state", _State(optimizer, model, count_frozen, group, comm, coords)

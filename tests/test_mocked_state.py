@@ -279,8 +279,20 @@ def test_unknown_optimizer_kind_names_the_class() -> None:
     class MysteryOptimizer:
         pass
 
-    with pytest.raises(UnsupportedOptimizerError, match="MysteryOptimizer"):
+    with pytest.raises(UnsupportedOptimizerError, match=r"MysteryOptimizer \(megatron-core 0\."):
         NormAwareOptimizer(MysteryOptimizer())
+
+
+def test_a_renamed_megatron_internal_names_itself_and_the_version() -> None:
+    """A megatron-core release that renames an attribute a reader relies on: a clear error with
+    the attribute and the version, not a bare AttributeError."""
+
+    class RenamedFloat16Optimizer:  # has the Float16 optimizer's main params, not its model params
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        fp32_from_float16_groups: list = []
+
+    with pytest.raises(UnsupportedOptimizerError, match=r"\(megatron-core 0\..*lacks 'float16_groups'"):
+        NormAwareOptimizer(RenamedFloat16Optimizer())
 
 
 def test_model_param_unknown_to_the_optimizer_is_named() -> None:

@@ -436,7 +436,7 @@ def test_ranks_that_count_nothing_still_join_the_one_collective() -> None:
     ids=["fp16-state", "int16-without-remainders", "fp16-declared-before-any-state"],
 )
 def test_low_precision_master_weights_are_refused_by_name(dtype: torch.dtype, declared: bool) -> None:
-    from norm_optim.sources import _precision_aware_master
+    from norm_optim.megatron.optimizers import _precision_aware_master
     from norm_optim import UnsupportedOptimizerError
 
     shard = torch.zeros(4, dtype=torch.bfloat16)

@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .comm import Communicator
-from .kernels import RemainderMaster, Summand
+from ..comm import Communicator
+from ..kernels import RemainderMaster, Summand
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .comm import Communicator
-from .errors import UnsupportedOptimizerError
-from .kernels import RemainderMaster, Summand
-from .versions import megatron_core_version_string
+from ..comm import Communicator
+from ..errors import UnsupportedOptimizerError
+from ..kernels import RemainderMaster, Summand
+from ..versions import megatron_core_version_string
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
 
@@ -162,7 +162,15 @@ def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             )
     for matches, reader in _READERS:
         if matches(optimizer):
-            yield from reader(optimizer, ctx)
+            try:
+                yield from reader(optimizer, ctx)
+            except AttributeError as error:
+                # A megatron-core release that renamed what this reader relies on.
+                raise UnsupportedOptimizerError(
+                    f"{_class_name(optimizer)} ({megatron_core_version_string()}) looks like a "
+                    f"kind norm_optim reads ({reader.__name__}) but lacks {error.name!r}: this "
+                    "megatron-core moved it; please report it with the version"
+                ) from error
             return
     raise UnsupportedOptimizerError(
         f"norm_optim cannot read the fp32 tensors of a {_class_name(optimizer)} "

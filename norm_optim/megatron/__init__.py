@@ -1,0 +1,30 @@
+"""The Megatron adapter: the one place that knows megatron-core's internals.
+
+Everything below it (ownership, registry, kernels, the reduction) is plain logic over the data it
+returns, testable without Megatron. A new megatron-core release should mean a change here only.
+
+- :mod:`.optimizers` — what each optimizer kind holds for each model param, and over which group
+  (:class:`Holding`): chained, distributed (incl. precision-aware and CPU offload), Float16,
+  FP32, layer-wise, plain torch; kinds it cannot read are refused by class, with the version.
+- :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
+  DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
+- :mod:`.params` — per-param traits from megatron's markers and the model's structure: expert,
+  TP-split, GTP-sharded (and its pad rows), tied copy.
+"""
+
+from .optimizers import Holding, fingerprint, leaves, read_holdings
+from .parallel_state import check_reduce_group, rank_coords
+from .params import ModelStructure, ParamTraits, param_traits, without_padding
+
+__all__ = [
+    "Holding",
+    "ModelStructure",
+    "ParamTraits",
+    "check_reduce_group",
+    "fingerprint",
+    "leaves",
+    "param_traits",
+    "rank_coords",
+    "read_holdings",
+    "without_padding",
+]
