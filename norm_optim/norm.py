@@ -15,8 +15,12 @@ import torch
 from .comm import Communicator, ProcessGroup, Work
 from .errors import NormOptimError
 from .kernels import SumOfSquaresPlan
-from .naming import global_param_names
-from .registry import DENSE, EXPERT, ParamRegistry
+from .registry import ParamRegistry
+from .vocabulary import NotCounted
+
+DENSE, EXPERT = 0, 1
+"""Slots of the dense and expert sums of squares at the head of every reduced vector; per-param
+slots (when asked for) follow."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,18 +150,17 @@ class NormReducer:
         if self._per_param_plan is None:
             # Tied copies and excluded frozen params are no params of their own here.
             records = [
-                r for r in self.registry.records if r.reason not in ("shared", "frozen-excluded")
+                r for r in self.registry.records
+                if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)
             ]
-            chunks = self.registry.chunks
-            if chunks is None:
+            if self.registry.chunks is None:
                 # Local stand-in names (param0, param1, ...) mean different params on different
                 # ranks: summing them by name would mix params.
                 raise NormOptimError(
                     "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
                     "(this optimizer does not know its model chunks)"
                 )
-            ids = global_param_names(chunks)
-            local = [ids[id(r.param)] for r in records]
+            local = [r.global_name for r in records]
             if self.names is None:
                 mine = sorted({(name, r.expert) for name, r in zip(local, records)})
                 gathered = self.comm.all_gather_object(mine, self.group)

@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from .vocabulary import NotCounted
+
 
 @dataclasses.dataclass(frozen=True)
 class RankCoords:
@@ -82,7 +84,7 @@ def why_not_counted(
     shard_group: Optional[frozenset[int]] = None,
     gtp_sharded: bool = False,
     tied_copy: Optional[bool] = None,
-) -> Optional[str]:
+) -> Optional[NotCounted]:
     """The reason this rank must not count ``param``'s tensor, or None if it counts it.
 
     Args:
@@ -103,17 +105,17 @@ def why_not_counted(
             megatron's ``shared`` marker).
     """
     if tied_copy if tied_copy is not None else getattr(param, "shared", False):
-        return "shared"
+        return NotCounted.SHARED
     tp_rank = coords.expert_tp if expert else coords.tp
     if not tp_split and tp_rank != 0:
-        return "tp-duplicate"
+        return NotCounted.TP_DUPLICATE
     gtp_rank = coords.expert_gtp if expert else coords.gtp
     if not gtp_sharded and gtp_rank != 0:
-        return "gtp-duplicate"
+        return NotCounted.GTP_DUPLICATE
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:
-        return "dp-replica"
+        return NotCounted.DP_REPLICA
     first = coords.expert_dp_first if expert else coords.dp_cp_first
     if shard_group is not None and first not in shard_group:
-        return "other-instance"
+        return NotCounted.OTHER_INSTANCE
     return None

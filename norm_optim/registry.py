@@ -15,12 +15,10 @@ import torch
 from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
+from .naming import global_param_names
 from .ownership import RankCoords, why_not_counted
+from .vocabulary import NotCounted, Source
 from .megatron import Holding, ModelStructure, param_traits, read_holdings, without_padding
-
-DENSE, EXPERT = 0, 1
-"""Slots of the dense and expert sums of squares in every reduced vector."""
-
 
 @dataclasses.dataclass(frozen=True)
 class ParamRecord:
@@ -28,30 +26,29 @@ class ParamRecord:
 
     Attributes:
         name: the param's name in the model (chunk-prefixed when there are several chunks).
+        global_name: its layout-independent name (global layer number, global expert index;
+            the keys of ``param_l2_norms(per_param=True).per_param``); the local name when the
+            registry has no model.
         param: the model param.
         tensor: what this rank sums for it: the optimizer's fp32 main param, this rank's fp32
             shard of it, the fp32 param itself, the param itself when frozen, a
             :class:`~norm_optim.kernels.RemainderMaster` (TE's bf16 + int16 encoding of an fp32
             master shard: ``dtype``, ``shape`` and ``numel()`` are those of the fp32 master), or
             None.
-        source: how ``tensor`` relates to ``param`` (``main``, ``main-shard``, ``fp32-param``,
-            ``fp32-param-shard``, ``master-param-shard``, ``master-remainder-shard``, ``frozen``,
-            ``no-local-shard``...).
+        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.vocabulary.Source`).
         expert: whether it is an expert param (reduced with the expert layout).
-        sharded: whether ``tensor`` is a part of the param rather than all of it.
         counted: whether this rank adds ``tensor``'s squares to the global norm.
-        reason: why it is not counted (``tp-duplicate``, ``shared``, ``dp-replica``,
-            ``other-instance``, ``held-elsewhere``, ``frozen-excluded``), or None.
+        reason: why it is not counted (:class:`~norm_optim.vocabulary.NotCounted`), or None.
     """
 
     name: str
+    global_name: str
     param: torch.nn.Parameter
     tensor: Optional[Summand]
-    source: str
+    source: Source
     expert: bool
-    sharded: bool
     counted: bool
-    reason: Optional[str]
+    reason: Optional[NotCounted]
 
     @property
     def numel(self) -> int:
@@ -99,7 +96,7 @@ class ParamRegistry:
         )
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = chunks
-        frozen = [r.param for r in self.counted if r.source == "frozen"]
+        frozen = [r.param for r in self.counted if r.source is Source.FROZEN]
         self.watched: tuple[torch.Tensor, ...] = tuple(frozen[:1] + frozen[-1:])
         """Tensors held by no optimizer whose data a rebuild must follow (see ``fingerprint``)."""
 
@@ -110,8 +107,9 @@ class ParamRegistry:
         return len(self.records)
 
     def __getitem__(self, name: str) -> ParamRecord:
+        """The record of a param by its local name or its layout-independent (per-param) name."""
         for record in self.records:
-            if record.name == name:
+            if name in (record.name, record.global_name):
                 return record
         raise KeyError(f"no param named {name!r} in the registry")
 
@@ -193,10 +191,10 @@ def _build_records(
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
-        structure = ModelStructure()
+        structure, global_names = ModelStructure(), {}
     else:
         named = named_model_params(chunks)
-        structure = ModelStructure.of(chunks)
+        structure, global_names = ModelStructure.of(chunks), global_param_names(chunks)
 
     records: list[ParamRecord] = []
     for name, param in named:
@@ -208,13 +206,16 @@ def _build_records(
                     "optimizer does not know it: was the optimizer built for another model, or "
                     "was the param unfrozen after the optimizer was built?"
                 )
-            holding = Holding(param, param, "frozen", replicated=True)
+            holding = Holding(param, param, Source.FROZEN, replicated=True)
             if not count_frozen:
                 records.append(
-                    _record(name, holding, coords, structure, comm, forced_reason="frozen-excluded")
+                    _record(name, global_names.get(id(param), name), holding, coords, structure, comm,
+                            forced_reason=NotCounted.FROZEN_EXCLUDED)
                 )
                 continue
-        records.append(_record(name, holding, coords, structure, comm))
+        records.append(
+            _record(name, global_names.get(id(param), name), holding, coords, structure, comm)
+        )
 
     if not coords.expert_groups_known and any(r.expert for r in records):
         raise ParallelStateError(
@@ -232,11 +233,12 @@ def _build_records(
 
 def _record(
     name: str,
+    global_name: str,
     holding: Holding,
     coords: RankCoords,
     structure: ModelStructure,
     comm: Communicator,
-    forced_reason: Optional[str] = None,
+    forced_reason: Optional[NotCounted] = None,
 ) -> ParamRecord:
     param = holding.param
     traits = param_traits(param, structure, comm)
@@ -253,10 +255,10 @@ def _record(
     if tensor is not None:
         tensor = without_padding(tensor, holding.offset, param, traits.padding)
     if forced_reason is not None:
-        reason: Optional[str] = forced_reason
+        reason: Optional[NotCounted] = forced_reason
     elif tensor is None:
         # A tied copy is no param of its own, whether or not this rank holds a shard of it.
-        reason = "shared" if traits.tied_copy else "held-elsewhere"
+        reason = NotCounted.SHARED if traits.tied_copy else NotCounted.HELD_ELSEWHERE
     else:
         reason = why_not_counted(
             param,
@@ -268,14 +270,13 @@ def _record(
             gtp_sharded=traits.gtp_sharded,
             tied_copy=traits.tied_copy,
         )
-    sharded = tensor is not None and tensor.numel() != param.numel()
     return ParamRecord(
         name=name,
+        global_name=global_name,
         param=param,
         tensor=tensor,
         source=holding.source,
         expert=traits.expert,
-        sharded=sharded or holding.source.endswith("shard"),
         counted=reason is None,
         reason=reason,
     )

@@ -245,6 +245,10 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
         "shares_storage": shares_storage,
         "shapes": shapes,
         "counted_anything": bool(optimizer.registry.counted),
+        # Every per-param key this rank holds finds its record in the registry.
+        "lookups": all(optimizer.registry[r.global_name].global_name == r.global_name
+                       and r.global_name in per_param.per_param
+                       for r in optimizer.registry if r.reason != "shared"),
     }
 
 
@@ -287,6 +291,7 @@ def test_param_norm_matches_unparallel_oracle(
         assert async_expert == pytest.approx(got["expert"], rel=1e-12, abs=1e-12)
         assert async_per_param == pytest.approx(got["per_param"], rel=1e-12)
         assert got["shares_storage"], "a summed tensor is a copy, not the optimizer's own"
+        assert got["lookups"], "a per-param key is not a registry key"
     assert any(r["counted_anything"] for r in results)
 
 

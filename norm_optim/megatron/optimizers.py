@@ -23,6 +23,7 @@ from ..comm import Communicator
 from ..errors import UnsupportedOptimizerError
 from ..kernels import RemainderMaster, Summand
 from ..versions import megatron_core_version_string
+from ..vocabulary import Source
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
 
@@ -50,7 +51,7 @@ class Holding:
 
     param: torch.nn.Parameter
     tensor: Optional[Summand]
-    source: str
+    source: Source
     replicated: bool
     shard_group: Optional[frozenset[int]] = None
     optimizer: str = ""
@@ -226,7 +227,7 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield _whole(param, None, "assigned-elsewhere", ctx, type(optimizer).__name__)
+                    yield _whole(param, None, Source.ASSIGNED_ELSEWHERE, ctx, type(optimizer).__name__)
 
 
 def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -237,8 +238,8 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     shard_group = ctx.group_ranks(optimizer.data_parallel_group)
     held: set[int] = set()
     pairs = [
-        (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, "main-shard"),
-        (optimizer.model_fp32_groups, optimizer.shard_fp32_groups, "fp32-param-shard"),
+        (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, Source.MAIN_SHARD),
+        (optimizer.model_fp32_groups, optimizer.shard_fp32_groups, Source.FP32_PARAM_SHARD),
     ]
     for model_groups, shard_groups, source in pairs:
         for model_group, shards in zip(model_groups, shard_groups):
@@ -254,10 +255,10 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
         for param in buffer.params:
             if id(param) not in held:
                 held.add(id(param))
-                yield Holding(param, None, "no-local-shard", False, shard_group, name)
+                yield Holding(param, None, Source.NO_LOCAL_SHARD, False, shard_group, name)
 
 
-def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> tuple[Summand, str]:
+def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> tuple[Summand, Source]:
     """The fp32 master shard that a precision-aware inner optimizer keeps in its state.
 
     Transformer Engine's FusedAdam keeps it as ``state[shard]["master_param"]``, and so does
@@ -279,12 +280,12 @@ def _precision_aware_master(optimizer: Any, param: torch.nn.Parameter) -> tuple[
     shard = inner.param_groups[group_index]["params"][order]
     master = inner.state.get(shard, {}).get("master_param")
     if master is None:
-        return shard, "master-param-shard"
+        return shard, Source.MASTER_PARAM_SHARD
     if master.dtype == torch.float32:
-        return master, "master-param-shard"
+        return master, Source.MASTER_PARAM_SHARD
     remainders = getattr(inner, "store_param_remainders", False) and shard.dtype == torch.bfloat16
     if remainders and master.dtype == torch.int16:
-        return RemainderMaster(shard, master), "master-remainder-shard"
+        return RemainderMaster(shard, master), Source.MASTER_REMAINDER_SHARD
     raise _low_precision_error(master.dtype)
 
 
@@ -300,10 +301,10 @@ def _read_float16(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
     for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
         for param, main in zip(model_group, main_group):
-            yield _whole(param, main, "main", ctx, name)
+            yield _whole(param, main, Source.MAIN, ctx, name)
     for group in optimizer.fp32_from_fp32_groups:
         for param in group:
-            yield _whole(param, param, "fp32-param", ctx, name)
+            yield _whole(param, param, Source.FP32_PARAM, ctx, name)
 
 
 def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -312,12 +313,12 @@ def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
     for group in torch_optimizer.param_groups:
         for param in group["params"]:
-            source = "fp32-param" if param.dtype == torch.float32 else "param"
+            source = Source.FP32_PARAM if param.dtype == torch.float32 else Source.PARAM
             yield _whole(param, param, source, ctx, name)
 
 
 def _whole(
-    param: torch.nn.Parameter, tensor: Optional[torch.Tensor], source: str, ctx: _Context, name: str
+    param: torch.nn.Parameter, tensor: Optional[torch.Tensor], source: Source, ctx: _Context, name: str
 ) -> Holding:
     """A whole-param holding: replicated over DP, or assigned to this rank (layer-wise)."""
     # The layer-wise optimizer splits its assignment by megatron's own expert marker.
