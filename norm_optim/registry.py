@@ -96,9 +96,6 @@ class ParamRegistry:
         )
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = chunks
-        frozen = [r.param for r in self.counted if r.source is Source.FROZEN]
-        self.watched: tuple[torch.Tensor, ...] = tuple(frozen[:1] + frozen[-1:])
-        """Tensors held by no optimizer whose data a rebuild must follow (see ``fingerprint``)."""
 
     def __iter__(self) -> Iterator[ParamRecord]:
         return iter(self.records)

@@ -14,9 +14,10 @@ import torch
 
 from .comm import Communicator, ProcessGroup, TorchCommunicator
 from .norm import NormReducer, ParamNorms, PendingNorms
-from .megatron import check_reduce_group, fingerprint, rank_coords
+from .megatron import check_reduce_group, rank_coords
 from .ownership import RankCoords
 from .registry import ParamRegistry
+from .staleness import Staleness
 from .versions import warn_if_untested
 
 @dataclasses.dataclass
@@ -31,8 +32,8 @@ class _State:
     group: ProcessGroup
     comm: Communicator
     coords: RankCoords
+    staleness: Staleness
     reducer: Optional[NormReducer] = None
-    fingerprint: Optional[tuple] = None  # None: nothing built yet
     names: Optional[list[tuple[str, bool]]] = None  # gathered per-param names, kept across rebuilds
 
 
@@ -89,7 +90,9 @@ class NormAwareOptimizer:
         coords = rank_coords(comm, pg_collection)
         check_reduce_group(comm, group, pg_collection)
         object.__setattr__(
-            self, "_state", _State(optimizer, model, count_frozen, group, comm, coords)
+            self,
+            "_state",
+            _State(optimizer, model, count_frozen, group, comm, coords, Staleness(optimizer)),
         )
         self._current_reducer()  # build now: bad input fails at wrap time, not at log time
 
@@ -148,11 +151,9 @@ class NormAwareOptimizer:
         state.reducer = None
 
     def _current_reducer(self) -> NormReducer:
-        # O(param groups) check: rebuild only when the optimizer (or the model's frozen params,
-        # which no optimizer holds) replaced its tensors.
+        # Rebuild only when the optimizer replaced its tensors (see norm_optim.staleness).
         state = self._state
-        watched = state.reducer.registry.watched if state.reducer is not None else ()
-        if state.reducer is None or fingerprint(state.optimizer, watched) != state.fingerprint:
+        if state.reducer is None or state.staleness.is_stale():
             registry = ParamRegistry(
                 state.optimizer,
                 state.model,
@@ -160,12 +161,12 @@ class NormAwareOptimizer:
                 comm=state.comm,
                 count_frozen=state.count_frozen,
             )
-            first_build = state.fingerprint is None
+            first_build = state.reducer is None and state.names is None
             self._drop_reducer()  # keeps the gathered per-param names
             state.reducer = NormReducer(
                 registry, state.comm, state.group, state.names, warm_up=first_build
             )
-            state.fingerprint = fingerprint(state.optimizer, registry.watched)
+            state.staleness.record(registry)
         return state.reducer
 
     # ---------------------------------------------------------------- delegation

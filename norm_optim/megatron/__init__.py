@@ -12,7 +12,7 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   TP-split, GTP-sharded (and its pad rows), tied copy.
 """
 
-from .optimizers import Holding, fingerprint, leaves, read_holdings
+from .optimizers import Holding, fingerprint, leaves, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
 
@@ -26,5 +26,6 @@ __all__ = [
     "param_traits",
     "rank_coords",
     "read_holdings",
+    "where",
     "without_padding",
 ]

@@ -104,20 +104,11 @@ def leaves(optimizer: Any) -> Iterator[Any]:
         yield from leaves(member)
 
 
-def fingerprint(optimizer: Any, watched: Sequence[torch.Tensor] = ()) -> tuple:
-    """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors.
-
-    Used to notice, at call time and without walking params, that the registry must be rebuilt,
-    also when the tensors were replaced behind the wrapper's back (the inner optimizer's own
-    ``load_state_dict``, ``offload_to_cpu``/``restore_from_cpu``, ``HybridDeviceOptimizer``
-    re-creating its fp32 copies): a rebuilt optimizer, new param-group lists, optimizer state
-    created by the first step or replaced by a load (the precision-aware optimizer keeps its
-    master weights there), and where the first and last param of each group (and their master
-    weights) keep their data. Those replace every tensor of a group at once, so two per group
-    suffice; a caller that swaps single tensors itself must call ``refresh()``. ``watched``
-    tensors (the first and last frozen param, which no optimizer holds: ``Module.to()`` or an
-    offloaded reference model swaps their data) are checked the same way.
-    """
+def fingerprint(optimizer: Any) -> tuple:
+    """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors
+    (see :mod:`norm_optim.staleness` for what it is for and its limit): per leaf, the leaf and
+    its torch optimizer, each param group's list and length, where its first and last param (and
+    their precision-aware master weights) keep their data, and how much optimizer state exists."""
     parts: list[Any] = []
     for leaf in leaves(optimizer):
         inner = leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
@@ -131,17 +122,16 @@ def fingerprint(optimizer: Any, watched: Sequence[torch.Tensor] = ()) -> tuple:
                 len(state) if state is not None else -1,
             )
         )
-    parts.append(tuple(map(_where, watched)))
     return tuple(parts)
 
 
 def _group_print(params: list, state: Optional[dict]) -> tuple:
     ends = (params[0], params[-1]) if params else ()
     masters = [state.get(p, {}).get("master_param") for p in ends] if state is not None else []
-    return (id(params), len(params), *map(_where, ends), *map(_where, masters))
+    return (id(params), len(params), *map(where, ends), *map(where, masters))
 
 
-def _where(tensor: Optional[torch.Tensor]) -> tuple:
+def where(tensor: Optional[torch.Tensor]) -> tuple:
     """Where a tensor's data lives now: ``.data`` swaps (offload) and new tensors change it.
 
     A replaced storage cannot hand its address to the new one while norm_optim's plan still
