@@ -342,6 +342,14 @@ class RankOutput:
         return [line for line in self.lines if text in line]
 
 
+def _flush_tensorboard(context: Any) -> None:
+    # Bridge never closes its SummaryWriter, and a forked rank ends with ``os._exit``: without
+    # a flush the last events would be lost. ``_tensorboard_logger``: the property would create one.
+    writer = getattr(context.state, "_tensorboard_logger", None)
+    if writer is not None:
+        writer.flush()
+
+
 def _pretrain_rank(config: Any, callbacks: Sequence[Any],
                    before: Optional[Callable[[], Any]]) -> RankOutput:
     from megatron.bridge.training.callbacks import CallbackManager
@@ -349,8 +357,8 @@ def _pretrain_rank(config: Any, callbacks: Sequence[Any],
 
     pretrain = import_bridge().pretrain
     manager = CallbackManager()
-    for callback in callbacks:
-        manager.register(callback)
+    manager.add(list(callbacks))
+    manager.register("on_train_end", _flush_tensorboard)
     out = io.StringIO()
     with install_bridge_cpu_patches():
         undo = before() if before is not None else None
