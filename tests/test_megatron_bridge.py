@@ -31,6 +31,7 @@ if not bridge_available():
 
 from megatron.bridge.training.callbacks import Callback, CallbackContext  # noqa: E402
 
+from norm_optim import NormAwareOptimizer, TorchCommunicator  # noqa: E402
 from norm_optim.integrations import megatron_bridge  # noqa: E402
 from norm_optim.testing.megatron_bridge import (  # noqa: E402
     RankOutput,
@@ -174,3 +175,114 @@ def test_breakdown(world1_shapes: dict[str, Any], tmp_path: Path) -> None:
     print("\n" + line)
     assert (f" params norm: {total:.3f} | params norm dense: {dense:.3f} | "
             f"params norm expert: {expert:.3f} |") in line
+
+
+class _CountedReads(Callback):  # type: ignore[misc]
+    """Counts the integration's all-reduces on this rank (its communicator is handed to
+    ``install``), and checks the loop's optimizer is the wrapper."""
+
+    def __init__(self) -> None:
+        outer = self
+
+        class Counting(TorchCommunicator):
+            def all_reduce_sum(self, tensor: Any, group: Any, async_op: bool) -> Any:
+                outer.steps.append(outer.step)
+                return super().all_reduce_sum(tensor, group, async_op)
+
+        self.comm = Counting()
+        self.step = 0
+        self.steps: list[int] = []
+
+    def on_train_step_end(self, context: CallbackContext) -> None:
+        assert type(context.optimizer) is NormAwareOptimizer
+        # Fired before the loop increments train_state.step and then logs that new step.
+        self.step = context.state.train_state.step + 1
+
+    def on_train_end(self, context: CallbackContext) -> None:
+        context.user_state["reduced at"] = self.steps
+
+
+@pytest.mark.parametrize("intervals", [
+    # (log_interval, tensorboard_log_interval, TensorBoard on): steps read, on every rank
+    pytest.param((2, 1, False), id="print every 2nd, no writer"),
+    pytest.param((2, 1, True), id="print every 2nd, TensorBoard every step"),
+    pytest.param((3, 2, True), id="print every 3rd, TensorBoard every 2nd"),
+])
+def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool],
+                                       tmp_path: Path) -> None:
+    """The norm (one all-reduce) is computed at exactly the iterations whose log prints or
+    writes it, on every rank alike (the print and the writer are on the last rank only)."""
+    log_interval, tensorboard_interval, tensorboard = intervals
+    iterations = 4
+    counter = _CountedReads()
+    config = tiny_config(world_size=2, pp=2, train_iters=iterations, log_interval=log_interval,
+                         tensorboard_log_interval=tensorboard_interval,
+                         tensorboard_dir=str(tmp_path / "tb") if tensorboard else None)
+    ranks = run_pretrain(config, 2, callbacks=[counter],
+                         before=lambda: megatron_bridge.install(comm=counter.comm))
+
+    steps = range(1, iterations + 1)
+    printed = [s for s in steps if s % log_interval == 0]
+    written = [s for s in steps if tensorboard and s % tensorboard_interval == 0]
+    expected = sorted(set(printed) | set(written))
+    for rank in ranks:
+        assert rank.user_state["reduced at"] == expected
+    assert len(ranks[-1].matching(" params norm: ")) == len(printed)
+    if tensorboard:
+        assert sorted(_tensorboard(tmp_path / "tb", "params-norm")) == written
+
+
+def test_norm_follows_training(tmp_path: Path) -> None:
+    """With a learning rate, the logged norm moves; it equals Bridge's own value at every step
+    (MoE EP2, distributed optimizer: a layout where Bridge's function is right)."""
+    iterations = 3
+    config = tiny_config(world_size=2, num_experts=4, ep=2, train_iters=iterations, lr=1e-2,
+                         tensorboard_dir=str(tmp_path / "tb"))
+    ranks = run_pretrain(config, 2, callbacks=[_BridgeOwnNorm()],
+                         before=megatron_bridge.install)
+
+    written = _tensorboard(tmp_path / "tb", "params-norm")
+    bridge = ranks[-1].user_state["bridge"]
+    assert [written[s] for s in range(1, iterations + 1)] == pytest.approx(bridge, rel=1e-5)
+    assert len(set(bridge)) == iterations  # the weights did change
+
+
+class _ReadInCallback(Callback):  # type: ignore[misc]
+    def on_train_step_end(self, context: CallbackContext) -> None:
+        norm = context.optimizer.param_l2_norm()  # every rank: it is a collective
+        context.user_state.setdefault("norm_optim", []).append(float(norm))
+
+
+def test_optimizer_config_in_a_recipe(world1_shapes: dict[str, Any], tmp_path: Path) -> None:
+    """Without install(): ``norm_aware_optimizer_config`` in the recipe makes Bridge's own
+    ``setup_optimizer`` return the wrapper (through ``provide``), for callbacks to read."""
+    expected, _, _ = _oracle(world1_shapes["dense"])
+    config = tiny_config(world_size=2, train_iters=ITERATIONS, lr=0.0, seed=SEED,
+                         num_distributed_optimizer_instances=2)
+    config.optimizer = megatron_bridge.norm_aware_optimizer_config(config.optimizer)
+    ranks = run_pretrain(config, 2, callbacks=[_DeterministicWeights(), _ReadInCallback()])
+
+    for rank in ranks:
+        assert rank.user_state["norm_optim"] == [pytest.approx(expected, rel=1e-6)] * ITERATIONS
+    # The loop itself still prints Bridge's own (here √2 too large) value.
+    printed = [float(m.group(1)) for line in ranks[-1].lines if (m := _PRINTED.search(line))]
+    assert printed == [pytest.approx(math.sqrt(2) * expected, abs=5e-4)] * ITERATIONS
+
+
+def test_install_uninstall_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.bridge.training import setup, train
+
+    originals = (setup.setup_optimizer, train.calc_params_l2_norm, train.training_log)
+    with megatron_bridge.install() as integration:
+        assert integration.installed
+        assert train.training_log != originals[2]
+        with pytest.raises(RuntimeError, match="already installed"):
+            megatron_bridge.install()
+    assert (setup.setup_optimizer, train.calc_params_l2_norm, train.training_log) == originals
+    integration.uninstall()  # twice is fine
+
+    monkeypatch.delattr(train, "training_log")
+    with pytest.raises(megatron_bridge.MegatronBridgeVersionError,
+                       match=r"megatron-bridge 0\.6\.\d+ on megatron-core \S+ has no "
+                             r"train\.training_log;"):
+        megatron_bridge.install()

@@ -89,7 +89,7 @@ def _versions() -> str:
 
 
 def _bridge_modules() -> tuple[ModuleType, ModuleType]:
-    """``megatron.bridge.training.setup`` and ``.train``, checked to have what is patched."""
+    """``megatron.bridge.training.setup`` and ``.train``."""
     try:
         from megatron.bridge.training import setup, train
     except ImportError as exc:
@@ -98,6 +98,11 @@ def _bridge_modules() -> tuple[ModuleType, ModuleType]:
             f"megatron-bridge, or wrap the optimizer yourself "
             f"(NormAwareOptimizer(optimizer, model=model_chunks))."
         ) from exc
+    return setup, train
+
+
+def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
+    """Bridge's loop has the names :func:`install` replaces, with the parameters it reads."""
     missing = [f"setup.{name}" for name in ("setup_optimizer",)
                if not callable(getattr(setup, name, None))]
     missing += [f"train.{name}" for name in ("calc_params_l2_norm", "training_log")
@@ -113,7 +118,6 @@ def _bridge_modules() -> tuple[ModuleType, ModuleType]:
             f"norm_aware_optimizer_config(cfg.optimizer) in your recipe and log "
             f"ctx.optimizer.param_l2_norm() on every rank from a callback instead."
         )
-    return setup, train
 
 
 # ---------------------------------------------------------------- the optimizer config
@@ -157,7 +161,7 @@ def _provide(self: Any, model_chunks: Any, config_overrides: Any = None,
 
 
 @functools.cache
-def _config_class() -> type:
+def _config_class() -> type[Any]:
     """:class:`NormAwareOptimizerConfig`, made on first use: it subclasses Bridge's
     ``OptimizerConfig``, and importing Bridge is slow and needs it installed."""
     try:
@@ -204,7 +208,7 @@ def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:
         raise TypeError(f"expected an OptimizerConfig instance, got {type(config).__name__}")
     # A shallow copy as copy.copy makes it, of the new class: the fields, and also the
     # attributes megatron's __post_init__ (Bridge's finalize) derives, which are not fields.
-    copy = cls.__new__(cls)
+    copy = object.__new__(cls)
     vars(copy).update(vars(config))
     setattr(copy, _OPTIONS_ATTR, dict(wrapper_options))
     return copy
@@ -411,12 +415,13 @@ def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronBridg
         RuntimeError: already installed (uninstall the first one).
     """
     setup, train = _bridge_modules()
-    current = getattr(train.calc_params_l2_norm, "__self__", None)
+    current = getattr(getattr(train, "calc_params_l2_norm", None), "__self__", None)
     if isinstance(current, MegatronBridgeIntegration):
         raise RuntimeError(
             "norm_optim's Megatron-Bridge integration is already installed; call uninstall() "
             "on the handle install() returned before installing again"
         )
+    _check_hooks(setup, train)
     integration = MegatronBridgeIntegration(setup, train, breakdown, wrapper_options)
     integration._apply()
     return integration

@@ -249,6 +249,7 @@ def tiny_config(
     num_distributed_optimizer_instances: int = 1,
     train_iters: int = 2,
     log_interval: int = 1,
+    tensorboard_log_interval: Optional[int] = None,
     lr: float = 1e-3,
     seed: int = 1234,
     tensorboard_dir: Optional[str] = None,
@@ -260,6 +261,8 @@ def tiny_config(
     (``seq_length`` is used); ``SchedulerConfig`` needs ``start_weight_decay`` /
     ``end_weight_decay``; MoE with TP needs ``add_bias_linear=False`` and sequence parallelism.
     ``lr=0`` keeps the weights where they start (Adam's update is scaled by ``lr``).
+    ``tensorboard_log_interval`` defaults to ``log_interval``; ``world_size`` sets the global
+    batch size (one micro-batch of 2 per data-parallel rank).
     """
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
@@ -318,8 +321,9 @@ def tiny_config(
                                      eod_mask_loss=False, num_dataset_builder_threads=1,
                                      split="1,0,0", dataloader_type="single", num_workers=0,
                                      skip_getting_attention_mask_from_dataset=True),
-        logger=LoggerConfig(log_interval=log_interval, log_params_norm=True,
-                            tensorboard_dir=tensorboard_dir, tensorboard_log_interval=log_interval),
+        logger=LoggerConfig(
+            log_interval=log_interval, log_params_norm=True, tensorboard_dir=tensorboard_dir,
+            tensorboard_log_interval=tensorboard_log_interval or log_interval),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
         checkpoint=CheckpointConfig(save=None, load=None),
         rng=RNGConfig(seed=seed, inference_rng_tracker=True),
