@@ -17,6 +17,7 @@ with it).
 from __future__ import annotations
 
 import math
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,23 @@ def test_optimizer_config_in_a_recipe(world1_shapes: dict[str, Any], tmp_path: P
     # The loop itself still prints Bridge's own (here √2 too large) value.
     printed = [float(m.group(1)) for line in ranks[-1].lines if (m := _PRINTED.search(line))]
     assert printed == [pytest.approx(math.sqrt(2) * expected, abs=5e-4)] * ITERATIONS
+
+
+def test_optimizer_config_copy() -> None:
+    """The copy keeps every attribute (derived ones too), pickles by its public name, and
+    refuses what is not a config."""
+    from megatron.bridge.training.config import OptimizerConfig
+
+    original = OptimizerConfig(optimizer="adam", lr=3e-4, use_distributed_optimizer=True)
+    original.finalize()
+    copy = megatron_bridge.norm_aware_optimizer_config(original, count_frozen=False)
+    assert type(copy) is megatron_bridge.NormAwareOptimizerConfig
+    assert isinstance(copy, OptimizerConfig) and not hasattr(original, "provide")
+    assert {k: v for k, v in vars(copy).items() if k in vars(original)} == vars(original)
+    restored = pickle.loads(pickle.dumps(copy))
+    assert type(restored) is megatron_bridge.NormAwareOptimizerConfig and restored == copy
+    with pytest.raises(TypeError, match="expected an OptimizerConfig instance, got dict"):
+        megatron_bridge.norm_aware_optimizer_config({"lr": 1.0})
 
 
 def test_install_uninstall_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:

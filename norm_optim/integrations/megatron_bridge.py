@@ -179,7 +179,9 @@ def _config_class() -> type[Any]:
 
         provide = _provide
 
+    # Found by this module's __getattr__ under its public name (pickle, Bridge's YAML _target_).
     NormAwareOptimizerConfig.__module__ = __name__
+    NormAwareOptimizerConfig.__qualname__ = NormAwareOptimizerConfig.__name__
     return NormAwareOptimizerConfig
 
 
