@@ -120,6 +120,7 @@ LAYOUTS = {
     "MoE world 1": (1, {"num_experts": 4}),
     "MoE EP2": (2, {"num_experts": 4, "ep": 2}),
     "MoE TP2 sequence parallel": (2, {"num_experts": 4, "tp": 2}),
+    "MoE TP2 x EP2 (4 ranks)": (4, {"num_experts": 4, "tp": 2, "ep": 2}),
 }
 
 
