@@ -271,6 +271,20 @@ def test_optimizer_config_in_a_recipe(world1_shapes: dict[str, Any], tmp_path: P
     assert printed == [pytest.approx(math.sqrt(2) * expected, abs=5e-4)] * ITERATIONS
 
 
+def test_transformer_engine_stays_absent() -> None:
+    """The import-time TE stand-in went to Bridge's LoRA module only: for megatron-core (and
+    everyone else) Transformer Engine is still not installed."""
+    import sys
+
+    from megatron.bridge.peft import lora_layers
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    assert "transformer_engine" not in sys.modules
+    assert not getattr(te_extension, "HAVE_TE", False)
+    with pytest.raises(ImportError, match="Transformer Engine is not installed"):
+        lora_layers.te.Linear(4, 4)
+
+
 def test_optimizer_config_copy() -> None:
     """The copy keeps every attribute (derived ones too), pickles by its public name, and
     refuses what is not a config."""

@@ -30,6 +30,7 @@ import io
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -37,7 +38,6 @@ import torch
 from norm_optim.testing.shim import CpuShim, _Patch
 
 __all__ = [
-    "BridgeCpuPatches",
     "RankOutput",
     "allow_no_cuda_patches",
     "bridge_available",
@@ -160,10 +160,11 @@ def import_bridge() -> types.ModuleType:
 def one_cuda_device_patches() -> list[_Patch]:
     """``torch.cuda.device_count()`` -> 1 and ``torch.cuda.set_device`` a no-op.
 
-    With 0 devices Bridge's ``_initialize_distributed`` (``training/initialize.py``) skips
-    megatron's ``initialize_model_parallel`` branch that needs a device, and
-    ``_set_random_seed`` skips ``model_parallel_cuda_manual_seed`` (which, with
-    ``inference_rng_tracker=True``, sets up the CUDA-free RNG tracker the model's forward needs).
+    Bridge's ``_set_random_seed`` (``training/initialize.py``) calls megatron's
+    ``model_parallel_cuda_manual_seed`` only when ``device_count() > 0``; with
+    ``RNGConfig(inference_rng_tracker=True)`` that sets up the CUDA-free RNG tracker, without
+    which the forward pass fails ("cuda rng state model-parallel-rng is not added").
+    ``_initialize_distributed`` then calls ``set_device`` when it creates the process group.
     """
     return [_Patch(torch.cuda, "device_count", lambda: 1),
             _Patch(torch.cuda, "set_device", lambda device: None)]
@@ -198,21 +199,26 @@ def jit_fusion_options_patches(module: types.ModuleType) -> list[_Patch]:
 
 def cpu_rng_state_patches() -> list[_Patch]:
     """``torch.cuda.get_rng_state`` / ``set_rng_state`` on the CPU generator: checkpoint saves
-    and loads (Bridge's ``checkpointing.py`` ``get_rng_state``) store the CUDA RNG state."""
+    and loads (Bridge's ``checkpointing.py`` ``get_rng_state``) store the CUDA RNG state.
+
+    Only checkpointing needs it; the tests here do not save (a ``torch_dist`` save and resume
+    in a forked rank meets further CPU-only problems: daemonic ranks cannot start the writer's
+    processes, and torch's Adam keeps a per-param ``step`` the distributed optimizer rejects).
+    """
     return [_Patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
             _Patch(torch.cuda, "set_rng_state",
                    lambda new_state, device="cuda": torch.set_rng_state(new_state))]
 
 
-BridgeCpuPatches = CpuShim
-"""Handle of :func:`install_bridge_cpu_patches`; ``uninstall()`` restores every original."""
-
-
-def install_bridge_cpu_patches() -> BridgeCpuPatches:
+def install_bridge_cpu_patches() -> CpuShim:
     """Apply the per-rank patches Bridge's ``pretrain()`` needs on CPU, after the CPU shim.
 
+    Each was found by removing it and watching ``pretrain()`` fail (except the RNG state one,
+    see :func:`cpu_rng_state_patches`).
+
     Returns:
-        A handle whose ``uninstall()`` (or ``with``) restores the originals, in reverse order.
+        A handle (the CPU shim's handle class) whose ``uninstall()`` (or ``with``) restores the
+        originals, in reverse order.
     """
     from megatron.bridge.training import initialize, setup
 
@@ -334,15 +340,16 @@ def tiny_config(
 # ---------------------------------------------------------------- running pretrain()
 
 
+@dataclass
 class RankOutput:
-    """What one rank of :func:`run_pretrain` returns: its stdout lines and the callbacks'
-    ``user_state`` (picklable values only)."""
+    """What one rank of :func:`run_pretrain` returns: its stdout lines (Bridge prints its log
+    line on the last rank) and the callbacks' ``user_state`` (picklable values only)."""
 
-    def __init__(self, lines: list[str], user_state: dict[str, Any]) -> None:
-        self.lines = lines
-        self.user_state = user_state
+    lines: list[str]
+    user_state: dict[str, Any]
 
     def matching(self, text: str) -> list[str]:
+        """The lines that contain ``text``."""
         return [line for line in self.lines if text in line]
 
 
