@@ -234,6 +234,20 @@ def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool],
         assert sorted(_tensorboard(tmp_path / "tb", "params-norm")) == written
 
 
+@pytest.mark.parametrize("writer", [None, "tensorboard_dir", "wandb_project", "mlflow_experiment",
+                                    "comet_project"])
+def test_log_reads_params_norm(writer: str | None) -> None:
+    """Prints at ``log_interval``; writes at ``tensorboard_log_interval`` only where a writer is
+    configured (Bridge creates them on the last rank from these fields)."""
+    from megatron.bridge.training.config import LoggerConfig
+
+    logger = LoggerConfig(log_interval=4, tensorboard_log_interval=3)
+    if writer is not None:
+        setattr(logger, writer, "x")
+    read = [i for i in range(1, 13) if megatron_bridge.log_reads_params_norm(logger, i)]
+    assert read == ([3, 4, 6, 8, 9, 12] if writer else [4, 8, 12])
+
+
 def test_norm_follows_training(tmp_path: Path) -> None:
     """With a learning rate, the logged norm moves; it equals Bridge's own value at every step
     (MoE EP2, distributed optimizer: a layout where Bridge's function is right)."""

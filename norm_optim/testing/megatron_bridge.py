@@ -18,8 +18,9 @@ builds a whole ``ConfigContainer`` on mock data. :func:`run_pretrain` runs it on
 returns what each rank printed, plus what the callbacks recorded.
 
 Installing the packages: ``pip install megatron-bridge`` does not install on a CPU machine
-(a source-only CUDA extension, a pin on an unpublished ``nvidia-resiliency-ext``); see the
-``bridge-test`` extra in ``setup.cfg`` and ``make test-bridge`` for the recipe that works.
+(a source-only CUDA extension; a pin on an ``nvidia-resiliency-ext`` release the registry
+lacks); see the ``bridge-test`` extra in ``setup.cfg`` and ``make test-bridge`` for the recipe
+that works.
 """
 
 from __future__ import annotations
