@@ -24,29 +24,24 @@ from typing import Any
 
 import pytest
 
-from norm_optim.testing.megatron_bridge import bridge_available
+from norm_optim.testing.megatron_bridge import bridge_available, import_bridge
 
 if not bridge_available():
     pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
                 allow_module_level=True)
 
+import_bridge()  # first (its import-time guards), and once in the parent: forked ranks inherit it
+
 from megatron.bridge.training.callbacks import Callback, CallbackContext  # noqa: E402
 
 from norm_optim import NormAwareOptimizer, TorchCommunicator  # noqa: E402
 from norm_optim.integrations import megatron_bridge  # noqa: E402
-from norm_optim.testing.megatron_bridge import (  # noqa: E402
-    RankOutput,
-    import_bridge,
-    run_pretrain,
-    tiny_config,
-)
+from norm_optim.testing.megatron_bridge import RankOutput, run_pretrain, tiny_config  # noqa: E402
 from norm_optim.testing.oracle import (  # noqa: E402
     fill_deterministic_,
     global_param_shapes,
     oracle_sum_of_squares,
 )
-
-import_bridge()  # once in the parent: forked ranks inherit it
 
 SEED = 5
 ITERATIONS = 2
