@@ -100,8 +100,9 @@ def _oracle(shapes: dict[str, tuple[int, ...]]) -> tuple[float, float, float]:
 def world1_shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The global shapes of the world-1 (unparallel) runs, dense and MoE: the oracle's input."""
     shapes = {}
-    for kind, layout in (("dense", {}), ("moe", {"num_experts": 4})):
-        (rank,) = _run(tmp_path_factory.mktemp(kind), 1, **layout)
+    for kind, layout in (("dense", {}), ("moe", {"num_experts": 4}),
+                         ("dense 4 layers", {"num_layers": 4})):
+        (rank,) = _run(tmp_path_factory.mktemp("world1"), 1, **layout)
         shapes[kind] = rank.user_state["shapes"]
     return shapes
 
@@ -112,6 +113,7 @@ LAYOUTS = {
     "dense DP2 Float16 optimizer": (2, {"use_distributed_optimizer": False}),
     "dense TP2": (2, {"tp": 2}),
     "dense PP2 tied embeddings": (2, {"pp": 2}),
+    "dense PP2 x VPP2, 4 layers": (2, {"pp": 2, "vpp": 2, "num_layers": 4}),
     "MoE world 1": (1, {"num_experts": 4}),
     "MoE EP2": (2, {"num_experts": 4, "ep": 2}),
     "MoE TP2 sequence parallel": (2, {"num_experts": 4, "tp": 2}),
@@ -123,7 +125,8 @@ LAYOUTS = {
 def test_logged_params_norm_is_exact(name: str, world1_shapes: dict[str, Any],
                                      tmp_path: Path) -> None:
     world, layout = LAYOUTS[name]
-    kind = "moe" if layout.get("num_experts") else "dense"
+    kind = "moe" if layout.get("num_experts") else \
+        "dense 4 layers" if layout.get("num_layers") == 4 else "dense"
     expected, _, _ = _oracle(world1_shapes[kind])
     ranks = _run(tmp_path, world, **layout)
 

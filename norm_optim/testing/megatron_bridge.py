@@ -250,7 +250,9 @@ def tiny_config(
     *,
     tp: int = 1,
     pp: int = 1,
+    vpp: Optional[int] = None,
     ep: int = 1,
+    num_layers: int = 2,
     num_experts: Optional[int] = None,
     use_distributed_optimizer: bool = True,
     num_distributed_optimizer_instances: int = 1,
@@ -262,7 +264,7 @@ def tiny_config(
     tensorboard_dir: Optional[str] = None,
     world_size: int = 1,
 ) -> Any:
-    """A Bridge ``ConfigContainer`` for a tiny GPT (2 layers, hidden 64) on mock data, for CPU.
+    """A Bridge ``ConfigContainer`` for a tiny GPT (hidden 64) on mock data, for CPU.
 
     Config notes for Bridge 0.6.2: ``GPTModelProvider`` has no ``max_position_embeddings``
     (``seq_length`` is used); ``SchedulerConfig`` needs ``start_weight_decay`` /
@@ -296,9 +298,10 @@ def tiny_config(
                    moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
                    expert_tensor_parallel_size=tp)
     model = GPTModelProvider(
-        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+        num_layers=num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
         vocab_size=128, seq_length=seq_length, make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=tp > 1 and bool(num_experts),
         add_bias_linear=not num_experts, normalization="LayerNorm",
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -312,8 +315,9 @@ def tiny_config(
     )
     return ConfigContainer(
         model=model,
+        # The interleaved (VPP) schedule needs a multiple of PP micro-batches.
         train=TrainingConfig(train_iters=train_iters, micro_batch_size=micro_batch_size,
-                             global_batch_size=micro_batch_size * dp),
+                             global_batch_size=micro_batch_size * dp * (pp if vpp else 1)),
         validation=ValidationConfig(eval_interval=None, eval_iters=0),
         optimizer=OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0,
                                   bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0,
