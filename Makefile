@@ -2,10 +2,14 @@
 #   make train   the example training run (4 CPU ranks by default), logging the param norm
 #   make test    the test suite
 # Both run on megatron-core 0.16.1 (Python 3.11, the newest release it supports). The same on the
-# newest megatron-core (Python >= 3.12): make train-latest / make test-latest.
+# newest megatron-core (Python >= 3.12): make train-latest / make test-latest; Megatron-Bridge's
+# pretrain() tests, in an environment of their own: make test-bridge.
 PYTHON ?= python3
 VENV   ?= .venv
 MCORE  ?= megatron-core==0.16.1
+EXTRAS ?= test
+# Packages installed with --no-deps before the rest (Megatron-Bridge: see BRIDGE below).
+NODEPS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.norm_optim-installed
 # The CPU wheel of torch on Python 3.11; on 3.12 (and on a CUDA machine) pip picks the CUDA build
@@ -17,8 +21,13 @@ MCORE_LATEST  ?= megatron-core==0.19.2
 PYTHON_LATEST ?= $(shell p=$$(pyenv prefix "$$(pyenv latest 3.12 2>/dev/null)" 2>/dev/null) \
                    && echo "$$p/bin/python" || command -v python3.12)
 LATEST := PYTHON="$(PYTHON_LATEST)" VENV=.venv-latest MCORE="$(MCORE_LATEST)"
+# `pip install megatron-bridge` fails on a CPU machine (a source-only dependency downloads a
+# binary; megatron-core[dev] pins a release the registry lacks), so Bridge and the megatron-core
+# it is built on go in with --no-deps, then what its pretraining path needs (the bridge-test extra).
+BRIDGE := PYTHON="$(PYTHON_LATEST)" VENV=.venv-bridge MCORE="$(MCORE_LATEST)" \
+          NODEPS="megatron-bridge==0.6.2 $(MCORE_LATEST)" EXTRAS=test,bridge-test
 
-.PHONY: train test bench setup train-latest test-latest bench-latest
+.PHONY: train test bench setup train-latest test-latest bench-latest test-bridge
 
 setup: $(STAMP)
 
@@ -26,7 +35,8 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q "$(MCORE)" -e ".[test]"
+	$(if $(NODEPS),$(BIN)/python -m pip install -q --no-deps $(NODEPS))
+	$(BIN)/python -m pip install -q "$(MCORE)" -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -40,3 +50,7 @@ bench: $(STAMP)
 
 train-latest test-latest bench-latest:
 	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)'
+
+# Megatron-Bridge's real pretrain() on CPU ranks (tests/test_megatron_bridge.py skips elsewhere).
+test-bridge:
+	$(MAKE) test $(BRIDGE) ARGS='tests/test_megatron_bridge.py $(ARGS)'

@@ -6,6 +6,14 @@ inherits the imported modules starts in ~0.1 s instead of re-importing megatron 
 
 import warnings
 
+from norm_optim.testing.megatron_bridge import bridge_available, import_bridge
+
+if bridge_available():
+    # Where Megatron-Bridge is installed, so is nvidia-resiliency-ext 0.4.1, whose missing
+    # ``__version__`` breaks megatron-core's first import unless it happens under
+    # import_bridge()'s guard (which also imports Bridge once for the forked ranks).
+    import_bridge()
+
 with warnings.catch_warnings():
     # Without Transformer Engine or Apex, megatron warns once per module that it falls back to
     # torch implementations; that is the intended setup for CPU tests.

@@ -1,0 +1,429 @@
+"""Megatron-Bridge's training loop logs ``log_params_norm`` from norm_optim.
+
+Megatron-Bridge (``megatron.bridge``) builds its optimizer in ``setup_optimizer``
+(``training/optim.py``), which calls ``optimizer_config.provide(model_chunks=...,
+config_overrides=..., use_gloo_process_groups=..., pg_collection=...)`` when the optimizer config
+has a ``provide`` method; the LR scheduler is then built on what that returns. Its loop
+(``training/train.py``) calls its own ``calc_params_l2_norm(model, model_config,
+use_megatron_fsdp=...)`` every iteration under ``config.logger.log_params_norm`` and hands the
+value to ``training_log``, which prints it at ``log_interval`` (on the last rank) and writes the
+TensorBoard / W&B scalar ``params-norm`` at ``tensorboard_log_interval`` (on the rank that has the
+writers, the last one).
+
+Two ways to use it:
+
+- :func:`install` (once, before ``pretrain(...)``): the optimizer is built through
+  :class:`NormAwareOptimizerConfig`'s ``provide`` (a copy of your optimizer config, so your
+  config and the run config Bridge saves are unchanged), and the loop's params norm comes from
+  it. :func:`install` replaces three names Bridge imported by name:
+
+  - ``training.setup.setup_optimizer``: called with a :class:`NormAwareOptimizerConfig` copy of
+    the optimizer config (unless the config already has a ``provide``: then the optimizer it
+    returns is wrapped, if it is not already a :class:`~norm_optim.NormAwareOptimizer`).
+  - ``training.train.calc_params_l2_norm``: does no work; it returns a marker for
+    ``training_log``.
+  - ``training.train.training_log``: when, and only when, this iteration's log prints or
+    writes the params norm (decided from the step and the logger config, which every rank has;
+    the print and the writers are on one rank only), every rank reads ``param_l2_norms()`` (one
+    all-reduce, one host sync) and passes the total on as a float. Other iterations pass
+    ``None``, which ``training_log`` does not read.
+
+- :func:`norm_aware_optimizer_config` (or :class:`NormAwareOptimizerConfig` directly) in your
+  recipe, without :func:`install`: ``ctx.optimizer`` in Bridge callbacks is then a
+  :class:`~norm_optim.NormAwareOptimizer` (call ``param_l2_norm()`` on every rank); the loop's
+  own ``params norm`` stays Bridge's.
+
+Usage::
+
+    from norm_optim.integrations import megatron_bridge
+
+    megatron_bridge.install()                # once, before pretrain(...)
+    pretrain(cfg, forward_step)              # cfg.logger.log_params_norm=True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+from ..errors import NormOptimError
+from ..norm import ParamNorms
+from ..wrapper import NormAwareOptimizer
+
+__all__ = [
+    "MegatronBridgeIntegration",
+    "MegatronBridgeVersionError",
+    "NormAwareOptimizerConfig",
+    "ParamsNormWithBreakdown",
+    "install",
+    "log_reads_params_norm",
+    "norm_aware_optimizer_config",
+]
+
+# training_log parameters the integration reads (megatron-bridge 0.6).
+_TRAINING_LOG_PARAMS = ("params_norm", "config", "global_state")
+# The instance attribute (not a dataclass field: it stays out of Bridge's saved run config)
+# holding NormAwareOptimizer keyword arguments.
+_OPTIONS_ATTR = "_norm_optim_options"
+
+
+class MegatronBridgeVersionError(NormOptimError, RuntimeError):
+    """Megatron-Bridge is not installed, or its loop is not the one the integration patches."""
+
+
+def _version(distribution: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(distribution)
+    except Exception:  # a source checkout without package metadata
+        return "unknown"
+
+
+def _versions() -> str:
+    return (f"megatron-bridge {_version('megatron-bridge')} on megatron-core "
+            f"{_version('megatron-core')}")
+
+
+def _bridge_modules() -> tuple[ModuleType, ModuleType]:
+    """``megatron.bridge.training.setup`` and ``.train``."""
+    try:
+        from megatron.bridge.training import setup, train
+    except ImportError as exc:
+        raise MegatronBridgeVersionError(
+            f"cannot import Megatron-Bridge's training loop ({_versions()}): {exc}. Install "
+            f"megatron-bridge, or wrap the optimizer yourself "
+            f"(NormAwareOptimizer(optimizer, model=model_chunks))."
+        ) from exc
+    return setup, train
+
+
+def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
+    """Bridge's loop has the names :func:`install` replaces, with the parameters it reads."""
+    missing = [f"setup.{name}" for name in ("setup_optimizer",)
+               if not callable(getattr(setup, name, None))]
+    missing += [f"train.{name}" for name in ("calc_params_l2_norm", "training_log")
+                if not callable(getattr(train, name, None))]
+    if not missing:
+        params = inspect.signature(train.training_log).parameters
+        missing = [f"train.training_log({name}=...)" for name in _TRAINING_LOG_PARAMS
+                   if name not in params]
+    if missing:
+        raise MegatronBridgeVersionError(
+            f"megatron.bridge.training of {_versions()} has no {', '.join(missing)}; norm_optim's "
+            f"Megatron-Bridge integration knows the loop of megatron-bridge 0.6. Use "
+            f"norm_aware_optimizer_config(cfg.optimizer) in your recipe and log "
+            f"ctx.optimizer.param_l2_norm() on every rank from a callback instead."
+        )
+
+
+# ---------------------------------------------------------------- the optimizer config
+
+
+def _build_megatron_optimizer(config: Any, model_chunks: Any, config_overrides: Any,
+                              use_gloo_process_groups: bool, pg_collection: Any) -> Any:
+    """What Bridge's ``setup_optimizer`` builds for a config without ``provide``
+    (``training/optim.py``): megatron's Muon / SOAP optimizer when named, else
+    ``get_megatron_optimizer``."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    kwargs = dict(config=config, model_chunks=model_chunks, config_overrides=config_overrides,
+                  use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection)
+    if "muon" not in config.optimizer and "soap" not in config.optimizer:
+        return get_megatron_optimizer(**kwargs)
+    from megatron.core.optimizer.muon import get_megatron_muon_optimizer
+
+    return get_megatron_muon_optimizer(
+        **kwargs, layer_wise_distributed_optimizer="dist" in config.optimizer
+    )
+
+
+def _wrap(optimizer: Any, model_chunks: Any, pg_collection: Any,
+          options: dict[str, Any]) -> NormAwareOptimizer:
+    if isinstance(optimizer, NormAwareOptimizer):
+        return optimizer
+    if pg_collection is not None:  # Bridge passes one with use_decentralized_pg only
+        options = {"pg_collection": pg_collection, **options}
+    return NormAwareOptimizer(optimizer, model=model_chunks, **options)
+
+
+def _provide(self: Any, model_chunks: Any, config_overrides: Any = None,
+             use_gloo_process_groups: bool = False, pg_collection: Any = None
+             ) -> NormAwareOptimizer:
+    """Build the optimizer as Bridge's ``setup_optimizer`` would, wrapped once in
+    :class:`~norm_optim.NormAwareOptimizer` with the model chunks."""
+    optimizer = _build_megatron_optimizer(self, model_chunks, config_overrides,
+                                          use_gloo_process_groups, pg_collection)
+    return _wrap(optimizer, model_chunks, pg_collection, getattr(self, _OPTIONS_ATTR, {}))
+
+
+@functools.cache
+def _config_class() -> type[Any]:
+    """:class:`NormAwareOptimizerConfig`, made on first use: it subclasses Bridge's
+    ``OptimizerConfig``, and importing Bridge is slow and needs it installed."""
+    try:
+        from megatron.bridge.training.config import OptimizerConfig
+    except ImportError as exc:
+        raise MegatronBridgeVersionError(
+            f"NormAwareOptimizerConfig subclasses megatron.bridge.training.config."
+            f"OptimizerConfig, which does not import ({_versions()}): {exc}"
+        ) from exc
+
+    @dataclasses.dataclass
+    class NormAwareOptimizerConfig(OptimizerConfig):  # type: ignore[misc, valid-type]
+        """Bridge's ``OptimizerConfig`` whose ``provide`` (which Bridge's ``setup_optimizer``
+        calls) returns the optimizer wrapped in :class:`~norm_optim.NormAwareOptimizer`."""
+
+        provide = _provide
+
+    # Found by this module's __getattr__ under its public name (pickle, Bridge's YAML _target_).
+    NormAwareOptimizerConfig.__module__ = __name__
+    NormAwareOptimizerConfig.__qualname__ = NormAwareOptimizerConfig.__name__
+    return NormAwareOptimizerConfig
+
+
+def __getattr__(name: str) -> Any:
+    # ``NormAwareOptimizerConfig`` resolves on first access (PEP 562), so importing this module
+    # does not import Bridge; pickle and Bridge's YAML ``_target_`` find it by this path.
+    if name == "NormAwareOptimizerConfig":
+        return _config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:
+    """A :class:`NormAwareOptimizerConfig` copy of a Bridge / megatron ``OptimizerConfig``.
+
+    Put it in a recipe (``cfg.optimizer = norm_aware_optimizer_config(cfg.optimizer)``) and
+    Bridge's ``setup_optimizer`` returns a :class:`~norm_optim.NormAwareOptimizer`.
+
+    Args:
+        config: the optimizer config; every attribute is copied as it is (finalized or not:
+            ``pretrain`` finalizes the copy as it would the original).
+        wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
+            ``group``, ``comm``).
+    """
+    cls = _config_class()
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"expected an OptimizerConfig instance, got {type(config).__name__}")
+    # A shallow copy as copy.copy makes it, of the new class: the fields, and also the
+    # attributes megatron's __post_init__ (Bridge's finalize) derives, which are not fields.
+    copy = object.__new__(cls)
+    vars(copy).update(vars(config))
+    setattr(copy, _OPTIONS_ATTR, dict(wrapper_options))
+    return copy
+
+
+# ---------------------------------------------------------------- logging
+
+
+def log_reads_params_norm(logger_config: Any, iteration: int) -> bool:
+    """Whether Bridge's ``training_log`` prints or writes ``params_norm`` at this iteration.
+
+    The same answer on every rank, from what every rank has: ``training_log`` prints when
+    ``iteration % log_interval == 0`` (on the last rank) and writes TensorBoard / W&B / MLflow /
+    Comet when ``iteration % tensorboard_log_interval == 0`` on the rank that has a writer. Only
+    the last rank has writers, so every rank looks at the logger config instead.
+    """
+    if iteration % logger_config.log_interval == 0:
+        return True
+    writes = any(getattr(logger_config, name, None) for name in
+                 ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project"))
+    return writes and iteration % logger_config.tensorboard_log_interval == 0
+
+
+class ParamsNormWithBreakdown(float):
+    """The total params norm (a ``float``: the writers get the total) that also shows the dense
+    and expert norms wherever it is formatted.
+
+    ``training_log`` prints ``f' params norm: {params_norm:.3f} |'``; with this value the line
+    reads `` params norm: 20.017 | params norm dense: 18.305 | params norm expert: 8.100 |``.
+    """
+
+    dense: float
+    expert: float
+
+    def __new__(cls, total: float, dense: float, expert: float) -> "ParamsNormWithBreakdown":
+        value = super().__new__(cls, total)
+        value.dense = dense
+        value.expert = expert
+        return value
+
+    def __format__(self, spec: str) -> str:
+        total = float.__format__(self, spec)
+        return (f"{total} | params norm dense: {self.dense:{spec}} | "
+                f"params norm expert: {self.expert:{spec}}")
+
+
+class _DeferredParamsNorm:
+    """What the patched ``calc_params_l2_norm`` returns: nothing is computed until
+    ``training_log`` knows, on every rank alike, that the value is read."""
+
+    def __float__(self) -> float:
+        raise NormOptimError(
+            "norm_optim's Megatron-Bridge integration defers megatron.bridge.training.train."
+            "calc_params_l2_norm to training_log, which reads the norm on every rank at log "
+            "intervals; elsewhere call integration.optimizer.param_l2_norm() on every rank"
+        )
+
+    def __repr__(self) -> str:
+        return "<params norm: read by training_log at log intervals>"
+
+
+class MegatronBridgeIntegration:
+    """What :func:`install` returns: the live wrapper, and :meth:`uninstall` (also as a context
+    manager) to restore Bridge's functions.
+
+    Attributes:
+        optimizer: the :class:`~norm_optim.NormAwareOptimizer` of the latest
+            ``setup_optimizer`` (``None`` before it).
+        model: the model chunks it was built with.
+    """
+
+    def __init__(self, setup: ModuleType, train: ModuleType, breakdown: bool,
+                 wrapper_options: dict[str, Any]) -> None:
+        self.optimizer: Optional[NormAwareOptimizer] = None
+        self.model: Optional[list[Any]] = None
+        self._breakdown = breakdown
+        self._wrapper_options = wrapper_options
+        self._log_signature = inspect.signature(train.training_log)
+        self._originals: list[tuple[ModuleType, str, Callable[..., Any]]] = [
+            (setup, "setup_optimizer", setup.setup_optimizer),
+            (train, "calc_params_l2_norm", train.calc_params_l2_norm),
+            (train, "training_log", train.training_log),
+        ]
+
+    def _original(self, name: str) -> Callable[..., Any]:
+        return next(function for _, n, function in self._originals if n == name)
+
+    def _apply(self) -> None:
+        for module, name, _ in self._originals:
+            setattr(module, name, getattr(self, f"_{name}"))
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def uninstall(self) -> None:
+        """Restore Bridge's functions. Safe to call twice. The optimizer already built stays
+        wrapped (it behaves as the optimizer it wraps)."""
+        while self._originals:
+            module, name, function = self._originals.pop()
+            setattr(module, name, function)
+
+    def __enter__(self) -> "MegatronBridgeIntegration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # ------------------------------------------------------------ the three replacements
+
+    def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not hasattr(optimizer_config, "provide"):
+            optimizer_config = norm_aware_optimizer_config(optimizer_config,
+                                                           **self._wrapper_options)
+        optimizer, scheduler = self._original("setup_optimizer")(optimizer_config, *args,
+                                                                 **kwargs)
+        bound = inspect.signature(self._original("setup_optimizer")).bind(
+            optimizer_config, *args, **kwargs)
+        model = bound.arguments["model"]
+        chunks = model if isinstance(model, list) else [model]
+        # A config with its own ``provide`` may return an unwrapped optimizer: wrap it here
+        # (the scheduler then holds the unwrapped one, which shares its param groups).
+        optimizer = _wrap(optimizer, chunks, bound.arguments.get("pg_collection"),
+                          self._wrapper_options)
+        self.optimizer, self.model = optimizer, chunks
+        return optimizer, scheduler
+
+    def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.optimizer is None:  # no optimizer to read: Bridge's own function
+            return self._original("calc_params_l2_norm")(model, *args, **kwargs)
+        chunks = model if isinstance(model, list) else [model]
+        if self.model is None or len(chunks) != len(self.model) or any(
+            a is not b for a, b in zip(chunks, self.model)
+        ):
+            raise NormOptimError(
+                "calc_params_l2_norm was called with a model that setup_optimizer was not "
+                "given; norm_optim's Megatron-Bridge integration serves the training loop's "
+                "model only"
+            )
+        return _DeferredParamsNorm()
+
+    def _training_log(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._log_signature.bind(*args, **kwargs)
+        norms: Optional[ParamNorms] = None
+        if isinstance(bound.arguments.get("params_norm"), _DeferredParamsNorm):
+            assert self.optimizer is not None  # the marker is only returned with an optimizer
+            config, state = bound.arguments["config"], bound.arguments["global_state"]
+            if log_reads_params_norm(config.logger, state.train_state.step):
+                norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
+            bound.arguments["params_norm"] = self._value(norms)
+        result = self._original("training_log")(*bound.args, **bound.kwargs)
+        if norms is not None and self._breakdown:
+            self._write_breakdown(bound.arguments["config"], bound.arguments["global_state"],
+                                  norms)
+        return result
+
+    def _value(self, norms: Optional[ParamNorms]) -> Optional[float]:
+        if norms is None:
+            return None  # training_log does not read params_norm at this iteration
+        if self._breakdown:
+            return ParamsNormWithBreakdown(float(norms.total), float(norms.dense),
+                                           float(norms.expert))
+        return float(norms.total)
+
+    @staticmethod
+    def _write_breakdown(config: Any, state: Any, norms: ParamNorms) -> None:
+        """TensorBoard / W&B ``params-norm-dense`` and ``params-norm-expert``, next to Bridge's
+        ``params-norm``, where and when ``training_log`` writes that one."""
+        iteration = state.train_state.step
+        if iteration % config.logger.tensorboard_log_interval != 0:
+            return
+        scalars = {"params-norm-dense": float(norms.dense),
+                   "params-norm-expert": float(norms.expert)}
+        writer, wandb_writer = state.tensorboard_logger, state.wandb_logger
+        for tag, value in scalars.items():
+            if writer is not None:
+                writer.add_scalar(tag, value, iteration)
+            if wandb_writer is not None:
+                wandb_writer.log({tag: value}, iteration)
+
+
+def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronBridgeIntegration:
+    """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
+
+    Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
+    TensorBoard / W&B scalar ``params-norm`` then come from
+    :meth:`~norm_optim.NormAwareOptimizer.param_l2_norms` (each element counted once, on every
+    layout), computed only at the iterations whose log reads them.
+
+    Args:
+        breakdown: also log the dense and expert norms: the log line reads
+            ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
+            / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
+        wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
+            ``group``, ``comm``).
+
+    Returns:
+        A :class:`MegatronBridgeIntegration`: ``.optimizer`` is the wrapper once built,
+        ``.uninstall()`` (or ``with install(): ...``) restores Bridge's functions.
+
+    Raises:
+        MegatronBridgeVersionError: Megatron-Bridge does not import, or its loop lacks what is
+            patched; the message names the Bridge and megatron-core versions.
+        RuntimeError: already installed (uninstall the first one).
+    """
+    setup, train = _bridge_modules()
+    current = getattr(getattr(train, "calc_params_l2_norm", None), "__self__", None)
+    if isinstance(current, MegatronBridgeIntegration):
+        raise RuntimeError(
+            "norm_optim's Megatron-Bridge integration is already installed; call uninstall() "
+            "on the handle install() returned before installing again"
+        )
+    _check_hooks(setup, train)
+    integration = MegatronBridgeIntegration(setup, train, breakdown, wrapper_options)
+    integration._apply()
+    return integration

@@ -1,0 +1,412 @@
+"""Run Megatron-Bridge's real ``pretrain(cfg, forward_step)`` on CPU gloo ranks (test support).
+
+Megatron-Bridge (``megatron.bridge``, 0.6.2 on megatron-core 0.19.2) is NVIDIA's recipe library
+on megatron-core. Its training loop runs unchanged on CPU with norm_optim's CPU shim
+(:mod:`norm_optim.testing.shim`) plus the patches below, each named after the Bridge or
+megatron code it exists for and each reversible:
+
+- at import (:func:`import_bridge`): a Transformer Engine stand-in handed to
+  ``megatron.bridge.peft.lora_layers`` only, and NVRx's async checkpointing hidden from
+  megatron-core's probe;
+- per rank (:func:`install_bridge_cpu_patches`): ``initialize_megatron(allow_no_cuda=True)``,
+  one CUDA device that ``set_device`` ignores, the dataset helpers' compile and the JIT fusion
+  warm-up skipped, and ``torch.cuda`` RNG state read from the CPU generator.
+
+A Bridge model for CPU uses the local (non-TE) layer spec with a sequence-parallel torch norm
+(:func:`cpu_layer_spec`) and ``RNGConfig(inference_rng_tracker=True)``; :func:`tiny_config`
+builds a whole ``ConfigContainer`` on mock data. :func:`run_pretrain` runs it on N ranks and
+returns what each rank printed, plus what the callbacks recorded.
+
+Installing the packages: ``pip install megatron-bridge`` does not install on a CPU machine
+(a source-only CUDA extension; a pin on an ``nvidia-resiliency-ext`` release the registry
+lacks); see the ``bridge-test`` extra in ``setup.cfg`` and ``make test-bridge`` for the recipe
+that works.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import io
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from norm_optim.testing.shim import CpuShim, _Patch
+
+__all__ = [
+    "RankOutput",
+    "allow_no_cuda_patches",
+    "bridge_available",
+    "compile_helpers_patches",
+    "cpu_layer_spec",
+    "cpu_rng_state_patches",
+    "import_bridge",
+    "install_bridge_cpu_patches",
+    "jit_fusion_options_patches",
+    "one_cuda_device_patches",
+    "run_pretrain",
+    "tiny_config",
+]
+
+# The module that imports Transformer Engine unconditionally (``import transformer_engine.pytorch
+# as te``, for its LoRA layers); nothing on the pretraining path uses those layers.
+_TE_IMPORTER = "megatron.bridge.peft.lora_layers"
+# megatron-core's ``has_nvrx_async_support`` (dist_checkpointing/strategies/nvrx.py, run when
+# strategies/torch.py is imported) reads ``nvidia_resiliency_ext.__version__``, which NVRx 0.4.1
+# (the newest on the registry) lacks. A None entry makes its probe import fail, so it answers
+# "no async support" before reading the version.
+_NVRX_ASYNC_CORE = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+
+
+def bridge_available() -> bool:
+    """Whether ``megatron.bridge`` is installed (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.bridge") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class _TransformerEngineStandIn(type):
+    """Any attribute of the stand-in is another stand-in class: ``te.ops.Sequential`` in
+    annotations and ``isinstance(x, te.Linear)`` work (always False); instantiating one fails."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _TransformerEngineStandIn(name, (), {"__init__": _te_unavailable})
+
+
+def _te_unavailable(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise ImportError(
+        f"{type(self).__name__}: Transformer Engine is not installed; this is "
+        f"norm_optim.testing's import-time stand-in for {_TE_IMPORTER}"
+    )
+
+
+@contextlib.contextmanager
+def _transformer_engine_for_lora_layers() -> Iterator[None]:
+    """Hand a Transformer Engine stand-in to ``megatron.bridge.peft.lora_layers`` only.
+
+    Other modules keep seeing TE as absent (megatron-core's ``HAVE_TE`` checks must stay False
+    on CPU), so the stand-in is returned by ``__import__`` for that importer, never put in
+    ``sys.modules``.
+    """
+    original = builtins.__import__
+    stand_in = _TransformerEngineStandIn("transformer_engine", (), {})
+
+    def import_(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
+                level: int = 0) -> Any:
+        if (name.split(".")[0] == "transformer_engine" and globals is not None
+                and globals.get("__name__") == _TE_IMPORTER):
+            return stand_in
+        return original(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = import_
+    try:
+        yield
+    finally:
+        builtins.__import__ = original
+
+
+@contextlib.contextmanager
+def _without_nvrx_async_checkpointing() -> Iterator[None]:
+    had = _NVRX_ASYNC_CORE in sys.modules
+    previous = sys.modules.get(_NVRX_ASYNC_CORE)
+    sys.modules[_NVRX_ASYNC_CORE] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if had:
+            sys.modules[_NVRX_ASYNC_CORE] = previous  # type: ignore[assignment]
+        else:
+            del sys.modules[_NVRX_ASYNC_CORE]
+
+
+def import_bridge() -> types.ModuleType:
+    """Import ``megatron.bridge.training.pretrain`` on a machine without TE or a GPU.
+
+    Idempotent. Importing it first in the test process (before forking ranks) also saves each
+    rank the ~10 s import.
+
+    Returns:
+        The ``megatron.bridge.training.pretrain`` module.
+    """
+    import importlib
+    import warnings
+
+    if "megatron.bridge.training.pretrain" in sys.modules:
+        return sys.modules["megatron.bridge.training.pretrain"]
+    with warnings.catch_warnings():
+        # Without TE or Apex, megatron and Bridge warn once per module that they fall back to
+        # torch implementations; that is the intended setup on CPU.
+        warnings.simplefilter("ignore")
+        with _transformer_engine_for_lora_layers(), _without_nvrx_async_checkpointing():
+            for name in ("megatron.bridge.training.pretrain", "megatron.bridge.training.gpt_step",
+                         "megatron.bridge.training.utils.train_utils"):
+                importlib.import_module(name)
+    return sys.modules["megatron.bridge.training.pretrain"]
+
+
+# ---------------------------------------------------------------- per-rank runtime patches
+# Generic ones (the same fix for Megatron-LM's loop) are separate named functions.
+
+
+def one_cuda_device_patches() -> list[_Patch]:
+    """``torch.cuda.device_count()`` -> 1 and ``torch.cuda.set_device`` a no-op.
+
+    Bridge's ``_set_random_seed`` (``training/initialize.py``) calls megatron's
+    ``model_parallel_cuda_manual_seed`` only when ``device_count() > 0``; with
+    ``RNGConfig(inference_rng_tracker=True)`` that sets up the CUDA-free RNG tracker, without
+    which the forward pass fails ("cuda rng state model-parallel-rng is not added").
+    ``_initialize_distributed`` then calls ``set_device`` when it creates the process group.
+    """
+    return [_Patch(torch.cuda, "device_count", lambda: 1),
+            _Patch(torch.cuda, "set_device", lambda device: None)]
+
+
+def allow_no_cuda_patches(module: types.ModuleType) -> list[_Patch]:
+    """``module.initialize_megatron`` called with ``allow_no_cuda=True``.
+
+    Bridge's ``setup()`` (``training/setup.py``) calls ``initialize_megatron(cfg=...)``, which
+    asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``.
+    """
+    original = module.initialize_megatron
+
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return [_Patch(module, "initialize_megatron", initialize_megatron)]
+
+
+def compile_helpers_patches(module: types.ModuleType) -> list[_Patch]:
+    """``module.compile_helpers`` a no-op: megatron-core's wheel ships the built dataset index
+    helpers but not the Makefile ``megatron.core.datasets.utils.compile_helpers`` runs."""
+    return [_Patch(module, "compile_helpers", lambda: None)]
+
+
+def jit_fusion_options_patches(module: types.ModuleType) -> list[_Patch]:
+    """``module.set_jit_fusion_options`` a no-op: its warm-up of the fused bias-GeLU /
+    bias-dropout-add kernels builds inputs with ``torch.rand(..., device="cuda")``."""
+    return [_Patch(module, "set_jit_fusion_options", lambda *args, **kwargs: None)]
+
+
+def cpu_rng_state_patches() -> list[_Patch]:
+    """``torch.cuda.get_rng_state`` / ``set_rng_state`` on the CPU generator: checkpoint saves
+    and loads (Bridge's ``checkpointing.py`` ``get_rng_state``) store the CUDA RNG state.
+
+    Only checkpointing needs it; the tests here do not save (a ``torch_dist`` save and resume
+    in a forked rank meets further CPU-only problems: daemonic ranks cannot start the writer's
+    processes, and torch's Adam keeps a per-param ``step`` the distributed optimizer rejects).
+    """
+    return [_Patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+            _Patch(torch.cuda, "set_rng_state",
+                   lambda new_state, device="cuda": torch.set_rng_state(new_state))]
+
+
+def install_bridge_cpu_patches() -> CpuShim:
+    """Apply the per-rank patches Bridge's ``pretrain()`` needs on CPU, after the CPU shim.
+
+    Each was found by removing it and watching ``pretrain()`` fail (except the RNG state one,
+    see :func:`cpu_rng_state_patches`).
+
+    Returns:
+        A handle (the CPU shim's handle class) whose ``uninstall()`` (or ``with``) restores the
+        originals, in reverse order.
+    """
+    from megatron.bridge.training import initialize, setup
+
+    patches = (one_cuda_device_patches() + cpu_rng_state_patches()
+               + allow_no_cuda_patches(setup) + compile_helpers_patches(initialize)
+               + jit_fusion_options_patches(setup))
+    for patch in patches:
+        patch.apply()
+    return CpuShim(patches)
+
+
+# ---------------------------------------------------------------- a tiny model and config
+
+
+def cpu_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
+    """``GPTModelProvider.transformer_layer_spec`` for CPU: megatron's local (non-TE) decoder
+    block spec, with a torch norm that allows sequence parallelism (MoE with TP needs SP; the
+    local spec's ``WrappedTorchNorm`` refuses it)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from norm_optim.testing.models import _with_sequence_parallel_norms
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    return _with_sequence_parallel_norms(spec)
+
+
+def tiny_config(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    ep: int = 1,
+    num_layers: int = 2,
+    num_experts: Optional[int] = None,
+    use_distributed_optimizer: bool = True,
+    num_distributed_optimizer_instances: int = 1,
+    train_iters: int = 2,
+    log_interval: int = 1,
+    tensorboard_log_interval: Optional[int] = None,
+    lr: float = 1e-3,
+    seed: int = 1234,
+    tensorboard_dir: Optional[str] = None,
+    world_size: int = 1,
+) -> Any:
+    """A Bridge ``ConfigContainer`` for a tiny GPT (hidden 64) on mock data, for CPU.
+
+    Config notes for Bridge 0.6.2: ``GPTModelProvider`` has no ``max_position_embeddings``
+    (``seq_length`` is used); ``SchedulerConfig`` needs ``start_weight_decay`` /
+    ``end_weight_decay``; MoE with TP needs ``add_bias_linear=False`` and sequence parallelism.
+    ``lr=0`` keeps the weights where they start (Adam's update is scaled by ``lr``).
+    ``tensorboard_log_interval`` defaults to ``log_interval``; ``world_size`` sets the global
+    batch size (one micro-batch of 2 per data-parallel rank).
+    """
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.training.config import (
+        CheckpointConfig,
+        ConfigContainer,
+        DistributedDataParallelConfig,
+        DistributedInitConfig,
+        LoggerConfig,
+        MockGPTDatasetConfig,
+        OptimizerConfig,
+        RNGConfig,
+        SchedulerConfig,
+        TokenizerConfig,
+        TrainingConfig,
+        ValidationConfig,
+    )
+
+    seq_length, micro_batch_size = 16, 2
+    dp = world_size // (tp * pp)
+    moe: dict[str, Any] = {}
+    if num_experts:
+        moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=128,
+                   moe_token_dispatcher_type="allgather", moe_router_dtype="fp32",
+                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
+                   expert_tensor_parallel_size=tp)
+    model = GPTModelProvider(
+        num_layers=num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+        vocab_size=128, seq_length=seq_length, make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=tp > 1 and bool(num_experts),
+        add_bias_linear=not num_experts, normalization="LayerNorm",
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=True, transformer_layer_spec=cpu_layer_spec,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False, persist_layer_norm=False,
+        share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+        **moe,
+    )
+    return ConfigContainer(
+        model=model,
+        # The interleaved (VPP) schedule needs a multiple of PP micro-batches.
+        train=TrainingConfig(train_iters=train_iters, micro_batch_size=micro_batch_size,
+                             global_batch_size=micro_batch_size * dp * (pp if vpp else 1)),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+        optimizer=OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0,
+                                  bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0,
+                                  use_distributed_optimizer=use_distributed_optimizer),
+        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0,
+                                  start_weight_decay=0.0, end_weight_decay=0.0),
+        ddp=DistributedDataParallelConfig(
+            use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances),
+        dataset=MockGPTDatasetConfig(seq_length=seq_length, random_seed=seed,
+                                     reset_attention_mask=False, reset_position_ids=False,
+                                     eod_mask_loss=False, num_dataset_builder_threads=1,
+                                     split="1,0,0", dataloader_type="single", num_workers=0,
+                                     skip_getting_attention_mask_from_dataset=True),
+        logger=LoggerConfig(
+            log_interval=log_interval, log_params_norm=True, tensorboard_dir=tensorboard_dir,
+            tensorboard_log_interval=tensorboard_log_interval or log_interval),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
+        checkpoint=CheckpointConfig(save=None, load=None),
+        rng=RNGConfig(seed=seed, inference_rng_tracker=True),
+        dist=DistributedInitConfig(distributed_backend="gloo"),
+    )
+
+
+# ---------------------------------------------------------------- running pretrain()
+
+
+@dataclass
+class RankOutput:
+    """What one rank of :func:`run_pretrain` returns: its stdout lines (Bridge prints its log
+    line on the last rank) and the callbacks' ``user_state`` (picklable values only)."""
+
+    lines: list[str]
+    user_state: dict[str, Any]
+
+    def matching(self, text: str) -> list[str]:
+        """The lines that contain ``text``."""
+        return [line for line in self.lines if text in line]
+
+
+def _flush_tensorboard(context: Any) -> None:
+    # Bridge never closes its SummaryWriter, and a forked rank ends with ``os._exit``: without
+    # a flush the last events would be lost. ``_tensorboard_logger``: the property would create one.
+    writer = getattr(context.state, "_tensorboard_logger", None)
+    if writer is not None:
+        writer.flush()
+
+
+def _pretrain_rank(config: Any, callbacks: Sequence[Any],
+                   before: Optional[Callable[[], Any]]) -> RankOutput:
+    from megatron.bridge.training.callbacks import CallbackManager
+    from megatron.bridge.training.gpt_step import forward_step
+
+    pretrain = import_bridge().pretrain
+    manager = CallbackManager()
+    manager.add(list(callbacks))
+    manager.register("on_train_end", _flush_tensorboard)
+    out = io.StringIO()
+    with install_bridge_cpu_patches():
+        undo = before() if before is not None else None
+        try:
+            with contextlib.redirect_stdout(out):
+                pretrain(config, forward_step, callbacks=manager)
+        finally:
+            if undo is not None:
+                undo.uninstall()
+    return RankOutput(out.getvalue().splitlines(), dict(manager.user_state))
+
+
+def run_pretrain(
+    config: Any,
+    world_size: int,
+    *,
+    callbacks: Sequence[Any] = (),
+    before: Optional[Callable[[], Any]] = None,
+    timeout: float = 120.0,
+) -> list[RankOutput]:
+    """Run Bridge's ``pretrain(config, gpt_step.forward_step)`` on ``world_size`` CPU gloo ranks.
+
+    Each rank is a forked child (:func:`~norm_optim.testing.run_ranks`) with the CPU shim and
+    :func:`install_bridge_cpu_patches`; ``before()`` runs in the rank first (e.g. an
+    integration's ``install``; what it returns is ``uninstall()``-ed after).
+
+    Returns:
+        One :class:`RankOutput` per rank: the lines it printed (Bridge prints its log line on
+        the last rank) and the callbacks' ``user_state``.
+    """
+    from norm_optim.testing.launcher import run_ranks
+
+    import_bridge()
+    return run_ranks(_pretrain_rank, world_size, config, list(callbacks), before,
+                     timeout=timeout)
