@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import NormOptimError
 from ..norm import ParamNorms
+from .common import DeferredParamsNorm, ParamsNormWithBreakdown
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
@@ -234,44 +235,6 @@ def log_reads_params_norm(logger_config: Any, iteration: int) -> bool:
     return writes and iteration % logger_config.tensorboard_log_interval == 0
 
 
-class ParamsNormWithBreakdown(float):
-    """The total params norm (a ``float``: the writers get the total) that also shows the dense
-    and expert norms wherever it is formatted.
-
-    ``training_log`` prints ``f' params norm: {params_norm:.3f} |'``; with this value the line
-    reads `` params norm: 20.017 | params norm dense: 18.305 | params norm expert: 8.100 |``.
-    """
-
-    dense: float
-    expert: float
-
-    def __new__(cls, total: float, dense: float, expert: float) -> "ParamsNormWithBreakdown":
-        value = super().__new__(cls, total)
-        value.dense = dense
-        value.expert = expert
-        return value
-
-    def __format__(self, spec: str) -> str:
-        total = float.__format__(self, spec)
-        return (f"{total} | params norm dense: {self.dense:{spec}} | "
-                f"params norm expert: {self.expert:{spec}}")
-
-
-class _DeferredParamsNorm:
-    """What the patched ``calc_params_l2_norm`` returns: nothing is computed until
-    ``training_log`` knows, on every rank alike, that the value is read."""
-
-    def __float__(self) -> float:
-        raise NormOptimError(
-            "norm_optim's Megatron-Bridge integration defers megatron.bridge.training.train."
-            "calc_params_l2_norm to training_log, which reads the norm on every rank at log "
-            "intervals; elsewhere call integration.optimizer.param_l2_norm() on every rank"
-        )
-
-    def __repr__(self) -> str:
-        return "<params norm: read by training_log at log intervals>"
-
-
 class MegatronBridgeIntegration:
     """What :func:`install` returns: the live wrapper, and :meth:`uninstall` (also as a context
     manager) to restore Bridge's functions.
@@ -350,12 +313,12 @@ class MegatronBridgeIntegration:
                 "given; norm_optim's Megatron-Bridge integration serves the training loop's "
                 "model only"
             )
-        return _DeferredParamsNorm()
+        return DeferredParamsNorm("megatron.bridge.training.train.calc_params_l2_norm")
 
     def _training_log(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._log_signature.bind(*args, **kwargs)
         norms: Optional[ParamNorms] = None
-        if isinstance(bound.arguments.get("params_norm"), _DeferredParamsNorm):
+        if isinstance(bound.arguments.get("params_norm"), DeferredParamsNorm):
             assert self.optimizer is not None  # the marker is only returned with an optimizer
             config, state = bound.arguments["config"], bound.arguments["global_state"]
             if log_reads_params_norm(config.logger, state.train_state.step):

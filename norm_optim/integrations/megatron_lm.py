@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import NormOptimError
 from ..norm import ParamNorms
+from .common import DeferredParamsNorm, ParamsNormWithBreakdown
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
@@ -115,44 +116,6 @@ def log_reads_params_norm(args: Any, iteration: int, is_first_iteration: bool) -
     return bool(getattr(args, "tensorboard_dir", None)) and (
         iteration % args.tensorboard_log_interval == 0
     )
-
-
-class ParamsNormWithBreakdown(float):
-    """The total params norm (a ``float``: TensorBoard / W&B get the total) that also shows the
-    dense and expert norms wherever it is formatted.
-
-    ``training_log`` prints ``f' params norm: {params_norm:.3f} |'``; with this value the line
-    reads `` params norm: 20.017 | params norm dense: 18.305 | params norm expert: 8.100 |``.
-    """
-
-    dense: float
-    expert: float
-
-    def __new__(cls, total: float, dense: float, expert: float) -> "ParamsNormWithBreakdown":
-        value = super().__new__(cls, total)
-        value.dense = dense
-        value.expert = expert
-        return value
-
-    def __format__(self, spec: str) -> str:
-        total = float.__format__(self, spec)
-        return (f"{total} | params norm dense: {self.dense:{spec}} | "
-                f"params norm expert: {self.expert:{spec}}")
-
-
-class _DeferredParamsNorm:
-    """What the patched ``calc_params_l2_norm`` returns: nothing is computed until
-    ``training_log`` knows, on every rank alike, that the value is read."""
-
-    def __float__(self) -> float:
-        raise NormOptimError(
-            "norm_optim's Megatron-LM integration defers megatron.training.training."
-            "calc_params_l2_norm to training_log, which reads the norm on every rank at log "
-            "intervals; elsewhere call integration.optimizer.param_l2_norm() on every rank"
-        )
-
-    def __repr__(self) -> str:
-        return "<params norm: read by training_log at log intervals>"
 
 
 # Attribute of each installed replacement: the integration that installed it.
@@ -244,13 +207,13 @@ class MegatronLMIntegration:
                 "did not return; norm_optim's Megatron-LM integration serves the training "
                 "loop's model only"
             )
-        return _DeferredParamsNorm()
+        return DeferredParamsNorm("megatron.training.training.calc_params_l2_norm")
 
     def _training_log(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._log_signature.bind(*args, **kwargs)
         bound.apply_defaults()
         norms: Optional[ParamNorms] = None
-        if isinstance(bound.arguments["params_norm"], _DeferredParamsNorm):
+        if isinstance(bound.arguments["params_norm"], DeferredParamsNorm):
             assert self.optimizer is not None  # the marker is only returned with an optimizer
             iteration = bound.arguments["iteration"]
             first = bool(bound.arguments.get("is_first_iteration", False))
