@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .megatron_fsdp import model_param
+
 _WRAPPER_PREFIX = "module."
 _NUMBERED_WEIGHT = re.compile(r"^(weight|bias)(\d+)$")
 
@@ -33,6 +35,7 @@ def _walk(
 ) -> Iterator[tuple[str, torch.nn.Parameter]]:
     experts = getattr(module, "local_expert_indices", experts)
     for pname, param in module.named_parameters(recurse=False):
+        param = model_param(param)
         match = _NUMBERED_WEIGHT.match(pname)
         per_expert = hasattr(module, "num_gemms")  # TE grouped linears; not GroupedMLP's weight1/2
         if match and per_expert and experts is not None and int(match.group(2)) < len(experts):
@@ -66,7 +69,7 @@ def expert_param_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
     for chunk in chunks:
         for name, module in chunk.named_modules():
             if getattr(module, "is_expert", False) is True or name.split(".")[-1] == "experts":
-                ids.update(id(p) for p in module.parameters())
+                ids.update(id(model_param(p)) for p in module.parameters())
     return ids
 
 
@@ -107,5 +110,5 @@ def tensor_parallel_split_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
             for name, param in module.named_parameters(recurse=False):
                 base = name if name in split else name.rstrip("0123456789")
                 if base in split:
-                    ids.add(id(param))
+                    ids.add(id(model_param(param)))
     return ids

@@ -15,6 +15,7 @@ import torch
 from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
+from .megatron_fsdp import model_param
 from .naming import expert_param_ids, tensor_parallel_split_ids
 from .ownership import RankCoords, why_not_counted
 from .sources import Holding, read_holdings
@@ -161,6 +162,7 @@ def named_model_params(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str,
     for index, chunk in enumerate(chunks):
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         for name, param in chunk.named_parameters():
+            param = model_param(param)  # Megatron-FSDP's DTensor stand-ins -> the model param
             if id(param) not in seen:
                 seen.add(id(param))
                 yield prefix + name, param
@@ -209,6 +211,7 @@ def _build_records(
                     "was the param unfrozen after the optimizer was built?"
                 )
             holding = Holding(param, param, "frozen", replicated=True)
+        if holding.source.startswith("frozen"):  # also Megatron-FSDP's frozen-shard
             if not count_frozen:
                 records.append(
                     _record(name, holding, coords, structure, forced_reason="frozen-excluded")

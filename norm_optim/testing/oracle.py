@@ -33,6 +33,7 @@ from norm_optim.testing.models import unwrap_gpt
 __all__ = [
     "fill_deterministic_",
     "global_param_shapes",
+    "deterministic_values",
     "named_global_parameters",
     "oracle_norm",
     "oracle_sum_of_squares",
@@ -87,7 +88,9 @@ def named_global_parameters(
     for chunk in model_chunks:
         gpt = unwrap_gpt(chunk)
         for name, param in gpt.named_parameters():
-            yield _global_name(gpt, name), param
+            # Megatron-FSDP swaps the module's params for DTensors of its main weights between
+            # steps; each keeps the original param (TP-local shape, megatron's markers).
+            yield _global_name(gpt, name), getattr(param, "orig_param", param)
 
 
 def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
@@ -151,10 +154,16 @@ def fill_deterministic_(
             or sharded) are refreshed from the new model values; otherwise call it yourself.
     """
     for name, param in named_global_parameters(model_chunks):
-        values = _integer_values(name, seed, _global_flat_index(name, param))
-        param.copy_(values.to(torch.float64) * 2.0**_SCALE_LOG2)  # exact in bf16 and fp32
+        param.copy_(deterministic_values(name, param, seed))
     if optimizer is not None:
         optimizer.reload_model_params()
+
+
+def deterministic_values(name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+    """The values :func:`fill_deterministic_` gives this rank's ``param`` (its global ``name``):
+    float64, in the param's (local) shape, exact in bf16 and fp32."""
+    values = _integer_values(name, seed, _global_flat_index(name, param))
+    return values.to(torch.float64) * 2.0**_SCALE_LOG2
 
 
 def global_param_shapes(
