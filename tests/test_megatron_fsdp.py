@@ -11,8 +11,9 @@ on every rank, with the dense / expert / per-param breakdowns, one all-reduce pe
 every summed tensor a view of Megatron-FSDP's own buffers. The same run checks it again after
 real training steps, with the module's params in either state (``start_param_sync`` swaps in
 the original params, ``stop_communication`` the DTensors; a registry rebuilt in either state),
-and after a torch-DCP save / load of the model's (DTensor) state dict, Megatron-LM's
-``fsdp_dtensor`` format, which loads into the main weights in place.
+after a torch-DCP save / load of the model's (DTensor) state dict, Megatron-LM's
+``fsdp_dtensor`` format, which loads into the main weights in place, and after the main weights
+move to new storage behind the wrapper's back (the fingerprint must notice).
 """
 
 from __future__ import annotations
@@ -120,6 +121,22 @@ def _dcp_state_dict(chunk: Any, num_experts: int | None) -> dict[str, Any]:
     return state
 
 
+def _move_main_weights(chunks: list, optimizer: Any) -> None:
+    """Give every bucket's fp32 main weights new storage and re-point the optimizer's DTensors
+    at it, behind the wrapper's back, as an offload / reload of the optimizer would."""
+    where = {}
+    for chunk in chunks:
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            if group.main_weight_buffer is not None:
+                group.main_weight_buffer.data = group.main_weight_buffer.data.clone()
+                for item, param in enumerate(group.params):
+                    where[id(param)] = (group.main_weight_buffer, item)
+    for group in optimizer.param_groups:
+        for main in group["params"]:
+            buffer, item = where[id(main.orig_param)]
+            main._local_tensor = buffer.get_item(item, only_shard=True).view_as(main._local_tensor)
+
+
 def _megatron_norm(chunks: list) -> float | None:
     """Megatron-LM's own ``calc_params_l2_norm`` under ``--use-megatron-fsdp`` (None where
     megatron-core ships no ``megatron.training``, as 0.16.1)."""
@@ -161,9 +178,11 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
                                   for r in optimizer.registry.counted)
     got["counted_numel"] = optimizer.registry.counted_numel
 
+    registry = optimizer.registry
     for step in range(2):  # real steps move the weights; the same tensors stay valid
         train_step(chunks, optimizer, seed=step)
     got["trained_changed"] = float(optimizer.param_l2_norm())
+    got["rebuilt_by_steps"] = optimizer.registry is not registry
     _fill(chunks, inner, SEED_A)
     got["after_steps"] = _read(optimizer, counting)
     chunks[0].start_param_sync()  # the module now holds the original params
@@ -178,10 +197,14 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["before_load"] = float(optimizer.param_l2_norm())
     dcp.load(_dcp_state_dict(chunks[0], layout.cfg.num_experts), checkpoint_id=directory)
     got["after_load"] = _read(optimizer, counting)
-
-    # Last: Megatron's function, on the same (loaded) weights; it expects the unscaled
-    # init-time relation, so compare it with the scaled oracle like norm_optim.
+    # Megatron-LM's own function on the same weights (it reads the DTensors' local tensors).
     got["megatron"] = _megatron_norm(chunks)
+
+    registry = optimizer.registry
+    _move_main_weights(chunks, inner)
+    _fill(chunks, inner, SEED_B)  # into the new storage only
+    got["after_move"] = float(optimizer.param_l2_norm())
+    got["rebuilt_after_move"] = optimizer.registry is not registry
     return got
 
 
@@ -247,6 +270,9 @@ def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
             assert got[state] == pytest.approx(a["total"], rel=REL), f"{where}, {state}"
         assert got["before_load"] == pytest.approx(b["total"], rel=REL), where
         _check_read(got["after_load"], a, f"{where}, after the checkpoint load")
+        assert not got["rebuilt_by_steps"], "steps keep Megatron-FSDP's buffers: no rebuild"
+        assert got["rebuilt_after_move"], "new main-weight storage must rebuild the registry"
+        assert got["after_move"] == pytest.approx(b["total"], rel=REL), f"{where}, after move"
     # Each element on exactly one rank: the counted elements add up to the model's size
     # (trainable main shards and frozen shards alike).
     numel = sum(math.prod(s) for s in a["shapes"].values())
