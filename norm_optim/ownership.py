@@ -18,6 +18,8 @@ several dist-opt instances the shard group that holds the              ``Holding
 sharded over dense DP)
 layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
                                                                           is False
+Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
+                           (over DP×CP; expert-DP for experts)          is False
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================
