@@ -12,9 +12,10 @@ holds this rank's shard of them.
 So every element is in exactly one rank's shard within its buffer group, and the shards need no
 owner rule of their own: a shard is a :class:`~norm_optim.sources.Holding` that is not
 replicated, whose ``shard_group`` is the buffer's group, and the usual rule of
-:mod:`norm_optim.ownership` adds what FSDP does not shard (TP duplicates: TP rank 0; expert
-ranks hold different experts; replicas of the whole group with several optimizer instances:
-the one holding DP rank 0).
+:mod:`norm_optim.ownership` adds what FSDP does not shard (TP duplicates: TP rank 0, expert-TP
+rank 0 for experts; EP ranks hold different experts, and the expert mesh has no EP dim).
+Hybrid FSDP (several optimizer instances), the other sharding strategies and PP > 1 (which
+Megatron-FSDP cannot build) are refused by name.
 
 The model's ``parameters()`` switch between the DTensors (after ``finish_grad_sync`` /
 ``stop_communication``) and the original params (from ``start_param_sync`` / forward on):

@@ -6,6 +6,9 @@
 - :mod:`~norm_optim.testing.models` — tiny GPT / MoE models on any layout, the real optimizer,
   one real training step.
 - :mod:`~norm_optim.testing.oracle` — layout-independent weight values and their exact norm.
+- :mod:`~norm_optim.testing.megatron_fsdp` — Megatron-FSDP models on CPU ranks (test-only
+  patches, :func:`~norm_optim.testing.megatron_fsdp.build_fsdp_model`, deterministic weights
+  written into its buffers).
 
 A multi-rank test::
 
