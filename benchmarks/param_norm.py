@@ -14,9 +14,10 @@ interleaved call by call (so machine noise hits them alike):
 ``fp32_copy``      Megatron-LM's fallback (``force_create_fp32_copy=True``, and its expert path
                    before #2249): ``.float()`` of every local param, then the same reductions.
 ``dtensor_walk``   Megatron-FSDP cases (``fsdp-*``) only, in place of the two walks: what
-                   ``calc_params_l2_norm`` does under ``--use-megatron-fsdp`` (``stop_communication``,
-                   the model's DTensors grouped by spec, one all-reduce per sharded mesh dim of
-                   each spec, ``.item()``). Under EP it misses the other EP ranks' experts.
+                   ``calc_params_l2_norm`` does under ``--use-megatron-fsdp``
+                   (``stop_communication``, the model's DTensors grouped by spec, one all-reduce
+                   per sharded mesh dim of each spec, ``.item()``). Under EP it misses the
+                   other EP ranks' experts.
 =================  ==============================================================================
 
 Per case and method it reports the median seconds per call, the extra peak memory of one call,
