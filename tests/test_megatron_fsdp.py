@@ -197,6 +197,8 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["before_load"] = float(optimizer.param_l2_norm())
     dcp.load(_dcp_state_dict(chunks[0], layout.cfg.num_experts), checkpoint_id=directory)
     got["after_load"] = _read(optimizer, counting)
+    got["without_frozen"] = float(NormAwareOptimizer(inner, model=chunks, count_frozen=False)
+                                  .param_l2_norm())
     # Megatron-LM's own function on the same weights (it reads the DTensors' local tensors).
     got["megatron"] = _megatron_norm(chunks)
 
@@ -218,6 +220,7 @@ def _oracle(cfg: TinyGPTConfig, freeze: tuple[str, ...], seed: int) -> dict[str,
         "shapes": shapes["all"],
         "total": math.sqrt(math.fsum(scaled.values())),
         "expert": math.sqrt(math.fsum(s for n, s in scaled.items() if ".experts." in n)),
+        "trainable": math.sqrt(math.fsum(s for n, s in scaled.items() if n in trainable)),
         "per_param": {n: math.sqrt(s) for n, s in scaled.items()},
     }
 
@@ -270,6 +273,7 @@ def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
             assert got[state] == pytest.approx(a["total"], rel=REL), f"{where}, {state}"
         assert got["before_load"] == pytest.approx(b["total"], rel=REL), where
         _check_read(got["after_load"], a, f"{where}, after the checkpoint load")
+        assert got["without_frozen"] == pytest.approx(a["trainable"], rel=REL), "count_frozen"
         assert not got["rebuilt_by_steps"], "steps keep Megatron-FSDP's buffers: no rebuild"
         assert got["rebuilt_after_move"], "new main-weight storage must rebuild the registry"
         assert got["after_move"] == pytest.approx(b["total"], rel=REL), f"{where}, after move"
