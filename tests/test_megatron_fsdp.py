@@ -416,3 +416,25 @@ def test_torch_fsdp2_is_refused() -> None:
     """torch FSDP2 (``fully_shard``): DTensor shards with no megatron buffers to read."""
     message = run_ranks(_torch_fsdp2_body, 2, cpu_shim=False, timeout=TIMEOUT)[0]
     assert "torch FSDP2" in message
+
+
+def _patches_body() -> list[bool]:
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
+
+    originals = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh,
+                 torch.cuda.get_rng_state, getattr(adapter, "TELinear", None))
+    handle = install_megatron_fsdp_cpu_patches()
+    again = install_megatron_fsdp_cpu_patches()
+    patched = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh, torch.cuda.get_rng_state)
+    handle.uninstall()
+    restored = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh,
+                torch.cuda.get_rng_state, getattr(adapter, "TELinear", None))
+    return [again is handle, all(p is not o for p, o in zip(patched, originals)),
+            all(r is o for r, o in zip(restored, originals))]
+
+
+def test_cpu_patches_are_idempotent_and_reversible() -> None:
+    assert run_ranks(_patches_body, 1, timeout=TIMEOUT)[0] == [True, True, True]

@@ -147,7 +147,8 @@ def build_fsdp_model(
             f"Megatron-FSDP cannot be built with pipeline parallelism ({pipeline} stages): its "
             "device mesh has no pipeline axis"
         )
-    if torch.cuda.current_device() == torch.device("cpu"):  # the CPU shim is installed
+    on_cpu = _cpu_shim_installed()
+    if on_cpu:
         install_megatron_fsdp_cpu_patches()
     cfg = cfg if cfg is not None else TinyGPTConfig()
     init_rng(seed)
@@ -164,8 +165,16 @@ def build_fsdp_model(
         gradient_reduce_div_fusion=False,  # gloo has no PREMUL_SUM reduction
         **ddp_overrides,
     )
-    device = torch.device("cpu") if torch.cuda.current_device() == torch.device("cpu") else None
+    # On CUDA, Megatron-FSDP copies the weights to the current device itself.
+    device = torch.device("cpu") if on_cpu else None
     return [FullyShardedDataParallel(config, ddp_config, model, device=device)]
+
+
+def _cpu_shim_installed() -> bool:
+    from norm_optim.testing.shim import _HANDLE_ATTR as SHIM_HANDLE
+
+    shim = getattr(torch.cuda.synchronize, SHIM_HANDLE, None)
+    return shim is not None and shim.installed
 
 
 @torch.no_grad()
