@@ -31,9 +31,9 @@ import torch
 from norm_optim.testing.models import unwrap_gpt
 
 __all__ = [
+    "deterministic_values",
     "fill_deterministic_",
     "global_param_shapes",
-    "deterministic_values",
     "named_global_parameters",
     "oracle_norm",
     "oracle_sum_of_squares",
@@ -152,7 +152,16 @@ def fill_deterministic_(
         seed: selects the values; :func:`oracle_sum_of_squares` with the same seed agrees.
         optimizer: if given, its ``reload_model_params()`` is called so fp32 main params (whole
             or sharded) are refreshed from the new model values; otherwise call it yourself.
+            Megatron-FSDP chunks get their values written into their weight buffers, fp32 main
+            weights included (:func:`~norm_optim.testing.megatron_fsdp.fill_fsdp_deterministic_`).
     """
+    if any(hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups")
+           for c in model_chunks):
+        # Megatron-FSDP: its params' data are not the weights; write into its buffers.
+        from norm_optim.testing.megatron_fsdp import fill_fsdp_deterministic_
+
+        fill_fsdp_deterministic_(model_chunks, seed)
+        return
     for name, param in named_global_parameters(model_chunks):
         param.copy_(deterministic_values(name, param, seed))
     if optimizer is not None:
