@@ -13,6 +13,11 @@ interleaved call by call (so machine noise hits them alike):
                    expert-DP (expert), then over the model-parallel groups, and ``.item()``.
 ``fp32_copy``      Megatron-LM's fallback (``force_create_fp32_copy=True``, and its expert path
                    before #2249): ``.float()`` of every local param, then the same reductions.
+``dtensor_walk``   Megatron-FSDP cases (``fsdp-*``) only, in place of the two walks: what
+                   ``calc_params_l2_norm`` does under ``--use-megatron-fsdp``
+                   (``stop_communication``, the model's DTensors grouped by spec, one all-reduce
+                   per sharded mesh dim of each spec, ``.item()``). Under EP it misses the
+                   other EP ranks' experts.
 =================  ==============================================================================
 
 Per case and method it reports the median seconds per call, the extra peak memory of one call,
@@ -76,6 +81,7 @@ class Case:
     name: str
     model: TinyGPTConfig
     world: int
+    megatron_fsdp: bool = False
 
     @property
     def kind(self) -> str:
@@ -110,14 +116,19 @@ _MODELS: tuple[tuple[str, TinyGPTConfig, tuple[int, ...], tuple[int, ...], str],
     ("moe-l", _moe(64, 4, 640, 64), (1, 4), (1,), "tensors"),  # 5,152 tensors, 2.1e7 elements
     ("moe-xl", _moe(256, 4, 640, 256), (1,), (), "table only"),  # 5,152 tensors, 3.4e8 elements
 )
+# The same models under Megatron-FSDP (optim_grads_params), named fsdp-<model>.
+_FSDP_MODELS = (("dense-m", (4,), ()), ("moe-m", (4,), (4,)))
 
 
 def select_cases(quick: bool, names: Sequence[str], worlds: Sequence[int]) -> list[Case]:
     """The cases to run, in a stable order (world 1 first: it warms nothing for world 4)."""
-    cases = [Case(name, model, world)
-             for name, model, full, fast, _ in _MODELS
-             for world in (fast if quick else full)
-             if (not names or name in names) and (not worlds or world in worlds)]
+    models = {name: model for name, model, *_ in _MODELS}
+    candidates = [Case(name, model, world)
+                  for name, model, full, fast, _ in _MODELS for world in (fast if quick else full)]
+    candidates += [Case(f"fsdp-{name}", models[name], world, megatron_fsdp=True)
+                   for name, full, fast in _FSDP_MODELS for world in (fast if quick else full)]
+    cases = [c for c in candidates
+             if (not names or c.name in names) and (not worlds or c.world in worlds)]
     return sorted(cases, key=lambda c: c.world)
 
 
@@ -179,6 +190,7 @@ class Bench:
     groups: Groups
     device: torch.device
     has_experts: bool
+    megatron_fsdp: bool = False
 
 
 # ------------------------------------------------------------------------- sums of squares
@@ -283,11 +295,44 @@ class Method:
     prepare: Callable[[Bench], NormFn]
 
 
+def _module_dtensors(bench: Bench) -> list[torch.Tensor]:
+    params: list[torch.Tensor] = []
+    for chunk in bench.chunks:
+        getattr(chunk, "stop_communication")()  # the module holds its DTensors from here on
+        params.extend(chunk.parameters())
+    return params
+
+
+def _prepare_dtensor_walk(bench: Bench) -> NormFn:
+    """Megatron-LM's ``calc_params_l2_norm`` under Megatron-FSDP (``calc_dtensor_params_l2_norm``
+    in ``megatron/training/utils``), with this file's fused kernel."""
+
+    def dtensor_walk() -> float:
+        by_spec: dict[Any, list[torch.Tensor]] = {}
+        for param in _module_dtensors(bench):
+            by_spec.setdefault(getattr(param, "_spec"), []).append(getattr(param, "_local_tensor"))
+        total = torch.zeros(1, dtype=torch.float32, device=bench.device)
+        for spec, local in by_spec.items():
+            squares = _fused_sum_of_squares([t for t in local if t.numel()], bench.device)
+            for group, placement in zip(spec.device_mesh.get_all_groups(), spec.placements):
+                if placement.is_shard():
+                    dist.all_reduce(squares, group=group)
+            total += squares
+        return total.item() ** 0.5
+
+    return dtensor_walk
+
+
 METHODS: tuple[Method, ...] = (
     Method("norm_optim", _prepare_norm_optim),
     Method("floor", _prepare_floor),
     Method("attribute_walk", _prepare_walk(_read_main_param)),
     Method("fp32_copy", _prepare_walk(_read_fp32_copy)),
+)
+FSDP_METHODS: tuple[Method, ...] = (
+    Method("norm_optim", _prepare_norm_optim),
+    Method("floor", _prepare_floor),
+    Method("dtensor_walk", _prepare_dtensor_walk),
 )
 
 # ------------------------------------------------------------------------ instrumentation
@@ -501,6 +546,8 @@ def reference_norm(bench: Bench) -> tuple[float, int, int]:
     Independent of norm_optim: read from the bf16 model params (which the fp32 main params
     equal right after the optimizer is built), owners chosen by TP / ``shared`` / DP rank 0.
     """
+    if bench.megatron_fsdp:
+        return _reference_norm_fsdp(bench)
     groups = bench.groups
     totals = torch.zeros(3, dtype=torch.float64)
     for chunk in bench.chunks:
@@ -519,20 +566,45 @@ def reference_norm(bench: Bench) -> tuple[float, int, int]:
     return math.sqrt(totals[0].item()), int(totals[1].item()), int(totals[2].item())
 
 
+@torch.no_grad()
+def _reference_norm_fsdp(bench: Bench) -> tuple[float, int, int]:
+    """The same for Megatron-FSDP, from the DTensors' own placements: a rank adds its local
+    shard when it is coordinate 0 of every mesh dim that replicates the tensor, then everything
+    is summed over the world (the expert mesh has no EP dim: EP ranks hold other experts)."""
+    totals = torch.zeros(3, dtype=torch.float64)
+    for param in _module_dtensors(bench):
+        spec = getattr(param, "_spec")
+        mesh = spec.device_mesh
+        if any(p.is_replicate() and mesh.get_local_rank(d) for d, p in enumerate(spec.placements)):
+            continue
+        local = getattr(param, "_local_tensor").detach().reshape(-1).to("cpu", torch.float64)
+        totals += torch.tensor([torch.dot(local, local).item(), local.numel(), 0.0])
+        totals[2] += all(mesh.get_local_rank(d) == 0 for d in range(mesh.ndim))
+    totals = totals.to(bench.device)
+    dist.all_reduce(totals)
+    return math.sqrt(totals[0].item()), int(totals[1].item()), int(totals[2].item())
+
+
 def _build(case: Case, device: torch.device) -> Bench:
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import build_model, build_optimizer
 
     init_parallel(**case.layout)
-    with torch.device(device):  # megatron allocates its buffers on the current CUDA device
-        chunks = build_model(case.model, use_distributed_optimizer=True)
+    if case.megatron_fsdp:  # it moves the weights to the current device itself
+        from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+        chunks = build_fsdp_model(case.model)
+    else:
+        with torch.device(device):  # megatron allocates its buffers on the current CUDA device
+            chunks = build_model(case.model, use_distributed_optimizer=True)
     optimizer = build_optimizer(chunks)
     on_wrong_device = [n for c in chunks for n, p in c.named_parameters()
                        if p.device.type != device.type]
     if on_wrong_device:
         raise RuntimeError(f"params not on {device}: {on_wrong_device[:3]}...")
     return Bench(chunks, optimizer, NormAwareOptimizer(optimizer, chunks),
-                 Groups.from_parallel_state(), device, bool(case.model.num_experts))
+                 Groups.from_parallel_state(), device, bool(case.model.num_experts),
+                 case.megatron_fsdp)
 
 
 def run_case(case: Case, opts: Options) -> list[dict[str, Any]]:
@@ -544,7 +616,8 @@ def run_case(case: Case, opts: Options) -> list[dict[str, Any]]:
         warnings.simplefilter("ignore", UserWarning)
         bench = _build(case, device)
     reference, numel, tensors = reference_norm(bench)
-    methods = [(m.name, m.prepare(bench)) for m in METHODS]
+    methods = [(m.name, m.prepare(bench)) for m in (FSDP_METHODS if case.megatron_fsdp
+                                                    else METHODS)]
     with torch.no_grad():
         local = measure_methods(methods, device, opts)
     counted = bench.wrapped.registry.counted
@@ -624,11 +697,11 @@ def run_torchrun(cases: Sequence[Case], opts: Options) -> list[dict[str, Any]]:
         install_cpu_shim()
     dist.init_process_group("nccl" if opts.device == "cuda" else "gloo")
     world = dist.get_world_size()
-    models = {c.name: c.model for c in cases}
+    models = {c.name: c for c in cases}
     rows: list[dict[str, Any]] = []
     try:
-        for name, model in models.items():
-            rows.extend(run_case(Case(name, model, world), opts))
+        for name, case in models.items():
+            rows.extend(run_case(Case(name, case.model, world, case.megatron_fsdp), opts))
             parallel_state.destroy_model_parallel()
             gc.collect()
             if opts.device == "cuda":
@@ -751,7 +824,7 @@ def _cpu_model() -> str:
 # -------------------------------------------------------------------------------------- plots
 
 _STYLE = {"norm_optim": ("C0", "o"), "floor": ("C2", "s"), "attribute_walk": ("C1", "^"),
-          "fp32_copy": ("C3", "x")}
+          "fp32_copy": ("C3", "x"), "dtensor_walk": ("C4", "v")}
 
 
 def plot(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:

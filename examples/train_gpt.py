@@ -10,6 +10,7 @@ Run it::
 
     python examples/train_gpt.py                        # 4 CPU gloo ranks: TP2 x EP2, MoE
     python examples/train_gpt.py --dense --tp 1 --pp 2  # DP2 x PP2, dense
+    python examples/train_gpt.py --megatron-fsdp        # Megatron-FSDP, TP2 x EP2, MoE
     torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --pp 2 --ep 2   # GPUs, NCCL
 
 Without ``torchrun`` the script starts ``--nproc`` local CPU ranks itself. On CPU every rank
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: --tp")
     p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction,
                    default=True)
+    p.add_argument("--megatron-fsdp", "--use-megatron-fsdp", dest="megatron_fsdp",
+                   action="store_true", help="Megatron-FSDP (FullyShardedDataParallel, "
+                   "optim_grads_params) instead of DDP; no pipeline parallelism")
     p.add_argument("--iterations", "--train-iters", dest="iterations", type=int, default=100)
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -95,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.lr_warmup_iters = args.iterations // 10
     if args.cp > 1:  # the local (non-Transformer-Engine) attention does not split sequences
         p.error("--cp > 1 needs Transformer Engine's attention; this example uses the local spec")
+    if args.megatron_fsdp and (args.pp > 1 or args.vpp):
+        p.error("--megatron-fsdp: Megatron-FSDP has no pipeline axis; use --pp 1")
+    if args.megatron_fsdp and not args.use_distributed_optimizer:
+        p.error("--megatron-fsdp shards the optimizer itself: drop --no-use-distributed-optimizer")
     return args
 
 
@@ -187,14 +195,22 @@ class NormCallCost:
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[list[torch.nn.Module], Any, Any]:
     """Model chunks, the wrapped optimizer and the lr schedule, as Megatron-LM builds them."""
-    chunks = build_model(model_config(args), seed=args.seed,
-                         use_distributed_optimizer=args.use_distributed_optimizer)
-    if device.type == "cuda":  # the builder initializes on CPU; DDP's buffers are on the GPU
-        chunks = [chunk.cuda() for chunk in chunks]
-    if args.init == "deterministic":
-        from norm_optim.testing import fill_deterministic_
+    if args.megatron_fsdp:
+        from norm_optim.testing.megatron_fsdp import build_fsdp_model, fill_fsdp_deterministic_
 
-        fill_deterministic_(chunks, args.seed)  # before the optimizer copies its fp32 params
+        # Megatron-FSDP copies the weights to the current device itself.
+        chunks = build_fsdp_model(model_config(args), seed=args.seed)
+        if args.init == "deterministic":  # into its weight shards, fp32 main ones included
+            fill_fsdp_deterministic_(chunks, args.seed)
+    else:
+        chunks = build_model(model_config(args), seed=args.seed,
+                             use_distributed_optimizer=args.use_distributed_optimizer)
+        if device.type == "cuda":  # the builder initializes on CPU; DDP's buffers are on the GPU
+            chunks = [chunk.cuda() for chunk in chunks]
+        if args.init == "deterministic":
+            from norm_optim.testing import fill_deterministic_
+
+            fill_deterministic_(chunks, args.seed)  # before the optimizer copies its fp32 params
     # norm_optim (1/2): wrap the optimizer once; it behaves as the optimizer it wraps.
     optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=args.lr, min_lr=args.min_lr),
                                    model=chunks)
@@ -256,7 +272,8 @@ class TrainingLog:
             print(f"> world {dist.get_world_size()}: "
                   + ", ".join(f"{k} {v}" for k, v in sizes.items())
                   + f" | {'MoE' if args.moe else 'dense'} GPT, {args.num_layers} layers"
-                  f" | distributed optimizer: {args.use_distributed_optimizer}", flush=True)
+                  + (" | Megatron-FSDP (optim_grads_params)" if args.megatron_fsdp else
+                     f" | distributed optimizer: {args.use_distributed_optimizer}"), flush=True)
         self.writer = None
         if args.tensorboard_dir and self.is_logger:
             try:

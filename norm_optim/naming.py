@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .megatron.fsdp import model_param
+
 _NUMBERED_WEIGHT = re.compile(r"^(weight|bias)(\d+)$")
 
 
@@ -32,6 +34,7 @@ def _walk(
 ) -> Iterator[tuple[str, torch.nn.Parameter]]:
     experts = getattr(module, "local_expert_indices", experts)
     for pname, param in module.named_parameters(recurse=False):
+        param = model_param(param)
         match = _NUMBERED_WEIGHT.match(pname)
         per_expert = hasattr(module, "num_gemms")  # TE grouped linears; not GroupedMLP's weight1/2
         if match and per_expert and experts is not None and int(match.group(2)) < len(experts):

@@ -22,6 +22,8 @@ layer-wise optimizer       the DP rank the param was assigned to         ``Holdi
 GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sharded``: params
 (megatron-core >= 0.19)    for params GTP does not shard; a sharded     GTP shards on dim 0;
                            param's zero pad rows count as nothing       pads trimmed (registry)
+Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
+                           (over DP×CP; expert-DP for experts)          is False
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================

@@ -15,10 +15,18 @@ import torch
 from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
+from .megatron import (
+    Holding,
+    ModelStructure,
+    model_param,
+    param_traits,
+    read_holdings,
+    without_padding,
+)
 from .naming import global_param_names
 from .ownership import RankCoords, why_not_counted
 from .vocabulary import NotCounted, Source
-from .megatron import Holding, ModelStructure, param_traits, read_holdings, without_padding
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamRecord:
@@ -155,6 +163,7 @@ def named_model_params(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str,
     for index, chunk in enumerate(chunks):
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
         for name, param in chunk.named_parameters():
+            param = model_param(param)  # Megatron-FSDP's DTensor stand-ins -> the model param
             if id(param) not in seen:
                 seen.add(id(param))
                 yield prefix + name, param
@@ -204,14 +213,10 @@ def _build_records(
                     "was the param unfrozen after the optimizer was built?"
                 )
             holding = Holding(param, param, Source.FROZEN, replicated=True)
-            if not count_frozen:
-                records.append(
-                    _record(name, global_names.get(id(param), name), holding, coords, structure, comm,
-                            forced_reason=NotCounted.FROZEN_EXCLUDED)
-                )
-                continue
+        excluded = holding.source.is_frozen and not count_frozen  # also Megatron-FSDP's shards
         records.append(
-            _record(name, global_names.get(id(param), name), holding, coords, structure, comm)
+            _record(name, global_names.get(id(param), name), holding, coords, structure, comm,
+                    forced_reason=NotCounted.FROZEN_EXCLUDED if excluded else None)
         )
 
     if not coords.expert_groups_known and any(r.expert for r in records):

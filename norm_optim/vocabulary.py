@@ -30,6 +30,12 @@ class Source(_Word):
     NO_LOCAL_SHARD = "no-local-shard"  # distributed optimizer: another rank holds every shard
     ASSIGNED_ELSEWHERE = "assigned-elsewhere"  # layer-wise: the param is another rank's
     FROZEN = "frozen"  # in no optimizer: the model param itself
+    FROZEN_SHARD = "frozen-shard"  # Megatron-FSDP: this rank's shard of a frozen param
+
+    @property
+    def is_frozen(self) -> bool:
+        """Whether the param is in no optimizer (counted only with ``count_frozen``)."""
+        return self in (Source.FROZEN, Source.FROZEN_SHARD)
 
     @property
     def is_part(self) -> bool:

@@ -31,6 +31,7 @@ LAYOUTS = {
     "default (MoE, TP2 x EP2)": [],
     "dense DP2 x PP2 x VPP2": ["--dense", "--tp", "1", "--pp", "2", "--vpp", "2",
                                "--num-layers", "4"],
+    "Megatron-FSDP (MoE, TP2 x EP2)": ["--megatron-fsdp"],
 }
 
 

@@ -348,8 +348,8 @@ def test_empty_model_warns_and_gives_zero() -> None:
 
 
 def test_fsdp_sharded_params_are_refused() -> None:
-    """Megatron FSDP marks its params ``__fsdp_param__`` (DTensor shards, an ownership rule of
-    their own): a clear error rather than shards counted as replicas."""
+    """FSDP params (``__fsdp_param__``, DTensor shards) in an optimizer that is not Megatron-FSDP's
+    (torch FSDP2): a clear error rather than shards counted as replicas."""
     param = torch.nn.Parameter(torch.zeros(4))
     param.__fsdp_param__ = True
     with pytest.raises(UnsupportedOptimizerError, match="FSDP"):
@@ -409,10 +409,9 @@ def test_no_host_sync_inside_the_call() -> None:
 
 
 def test_megatron_fsdp_optimizer_is_refused_by_name() -> None:
-    """With use_megatron_fsdp, megatron's DistributedOptimizer builds no shards at all.
-
-    A stand-in with that state (Megatron FSDP's buffers are CUDA-only, so the real one cannot be
-    built on CPU)."""
+    """With use_megatron_fsdp, megatron's DistributedOptimizer builds no shards: norm_optim reads
+    Megatron-FSDP's buffers through the model chunks, so an optimizer without them is an error.
+    (The real Megatron-FSDP is tested in test_megatron_fsdp.py.)"""
 
     class DistributedOptimizer:  # the state megatron leaves it in under Megatron FSDP
         ddp_config = type("DDPConfig", (), {"use_megatron_fsdp": True})()

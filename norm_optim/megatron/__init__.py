@@ -6,12 +6,15 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 - :mod:`.optimizers` — what each optimizer kind holds for each model param, and over which group
   (:class:`Holding`): chained, distributed (incl. precision-aware and CPU offload), Float16,
   FP32, layer-wise, plain torch; kinds it cannot read are refused by class, with the version.
+- :mod:`.fsdp` — Megatron-FSDP: its fp32 main-weight shards in its buffers, and the DTensor
+  stand-ins it swaps into the module (:func:`model_param` maps them back).
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
 - :mod:`.params` — per-param traits from megatron's markers and the model's structure: expert,
   TP-split, GTP-sharded (and its pad rows), tied copy.
 """
 
+from .fsdp import model_param
 from .optimizers import Holding, fingerprint, leaves, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
@@ -23,6 +26,7 @@ __all__ = [
     "check_reduce_group",
     "fingerprint",
     "leaves",
+    "model_param",
     "param_traits",
     "rank_coords",
     "read_holdings",

@@ -72,6 +72,10 @@ class _Context:
 
 def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
+    from .fsdp import is_megatron_fsdp, read_megatron_fsdp  # it builds on this module
+
+    if is_megatron_fsdp(optimizer):
+        return list(read_megatron_fsdp(optimizer, comm.group_ranks))
     holdings = list(_read(optimizer, _Context(group_ranks=comm.group_ranks)))
     for holding in holdings:
         _refuse_fsdp(holding)
@@ -79,9 +83,9 @@ def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
 
 
 def _refuse_fsdp(holding: Holding) -> None:
-    """FSDP (megatron's or torch's) shards params as DTensors, with an ownership rule of its own
-    that norm_optim does not implement yet: a clear error, rather than counting each shard as a
-    replica."""
+    """torch FSDP2 (``fully_shard``) shards params as DTensors, with an ownership rule of its
+    own that norm_optim does not implement: a clear error, rather than counting each shard as a
+    replica. (Megatron-FSDP is read by :mod:`norm_optim.megatron.fsdp`.)"""
     for tensor in (holding.param, holding.tensor):
         if type(tensor).__name__ == "DTensor" or getattr(tensor, "__fsdp_param__", False):
             raise _fsdp_error(holding.optimizer)
@@ -89,8 +93,9 @@ def _refuse_fsdp(holding: Holding) -> None:
 
 def _fsdp_error(optimizer: str) -> UnsupportedOptimizerError:
     return UnsupportedOptimizerError(
-        f"{optimizer} holds FSDP-sharded params (DTensor); norm_optim supports megatron's DDP "
-        "with or without the distributed optimizer, not use_megatron_fsdp / use_torch_fsdp2"
+        f"{optimizer} holds torch-FSDP-sharded params (DTensor); norm_optim supports megatron's "
+        "DDP (with or without the distributed optimizer) and Megatron-FSDP "
+        "(FullyShardedDataParallel), not torch FSDP2 (fully_shard / use_torch_fsdp2)"
     )
 
 
@@ -139,13 +144,12 @@ def where(tensor: Optional[torch.Tensor]) -> tuple:
     """
     if tensor is None:
         return ()
+    # A DTensor (Megatron-FSDP's main weights) has no storage of its own: its local shard does.
+    tensor = getattr(tensor, "_local_tensor", tensor)
     return (id(tensor), tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
 
 
 def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
-    if getattr(getattr(optimizer, "ddp_config", None), "use_megatron_fsdp", False):
-        # Megatron FSDP's DistributedOptimizer returns from __init__ before building shards.
-        raise _fsdp_error(type(optimizer).__name__)
     for matches, why in _REFUSED:
         if matches(optimizer):
             raise UnsupportedOptimizerError(

@@ -16,6 +16,7 @@ import torch
 
 from ..comm import Communicator
 from ..kernels import RemainderMaster, Summand
+from .fsdp import model_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ def expert_param_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
     for chunk in chunks:
         for name, module in chunk.named_modules():
             if getattr(module, "is_expert", False) is True or name.split(".")[-1] == "experts":
-                ids.update(id(p) for p in module.parameters())
+                ids.update(id(model_param(p)) for p in module.parameters())
     return ids
 
 
@@ -160,7 +161,7 @@ def tensor_parallel_split_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
             for name, param in module.named_parameters(recurse=False):
                 base = name if name in split else name.rstrip("0123456789")
                 if base in split:
-                    ids.add(id(param))
+                    ids.add(id(model_param(param)))
     return ids
 
 
@@ -180,5 +181,5 @@ def unused_tied_output_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
             output = getattr(getattr(module, "output_layer", None), "weight", None)
             tied = getattr(module, "shared_embedding_or_output_weight", None)
             if isinstance(output, torch.nn.Parameter) and callable(tied) and tied() is not output:
-                ids.add(id(output))
+                ids.add(id(model_param(output)))
     return ids

@@ -8,6 +8,9 @@
 - :mod:`~norm_optim.testing.oracle` — layout-independent weight values and their exact norm.
 - :mod:`~norm_optim.testing.megatron_lm` — Megatron-LM's real ``pretrain()`` on CPU ranks
   (imported on demand: needs ``megatron.training``, megatron-core >= 0.19).
+- :mod:`~norm_optim.testing.megatron_fsdp` — Megatron-FSDP models on CPU ranks (test-only
+  patches, :func:`~norm_optim.testing.megatron_fsdp.build_fsdp_model`, deterministic weights
+  written into its buffers).
 
 A multi-rank test::
 

@@ -31,6 +31,7 @@ import torch
 from norm_optim.testing.models import unwrap_gpt
 
 __all__ = [
+    "deterministic_values",
     "fill_deterministic_",
     "global_param_shapes",
     "named_global_parameters",
@@ -89,7 +90,9 @@ def named_global_parameters(
     for chunk in model_chunks:
         gpt = unwrap_gpt(chunk)
         for name, param in gpt.named_parameters():
-            yield _global_name(gpt, name), param
+            # Megatron-FSDP swaps the module's params for DTensors of its main weights between
+            # steps; each keeps the original param (TP-local shape, megatron's markers).
+            yield _global_name(gpt, name), getattr(param, "orig_param", param)
 
 
 def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
@@ -183,14 +186,29 @@ def fill_deterministic_(
         seed: selects the values; :func:`oracle_sum_of_squares` with the same seed agrees.
         optimizer: if given, its ``reload_model_params()`` is called so fp32 main params (whole
             or sharded) are refreshed from the new model values; otherwise call it yourself.
+            Megatron-FSDP chunks get their values written into their weight buffers, fp32 main
+            weights included (:func:`~norm_optim.testing.megatron_fsdp.fill_fsdp_deterministic_`).
     """
+    if any(hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups")
+           for c in model_chunks):
+        # Megatron-FSDP: its params' data are not the weights; write into its buffers.
+        from norm_optim.testing.megatron_fsdp import fill_fsdp_deterministic_
+
+        fill_fsdp_deterministic_(model_chunks, seed)
+        return
     for name, param in named_global_parameters(model_chunks):
-        index, padding = _global_flat_index(name, param)
-        values = _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
-        # GTP pad rows are not part of the model: a value there that a norm counted would show.
-        param.copy_(values.masked_fill(padding, _PADDING_VALUE))  # exact in bf16 and fp32
+        param.copy_(deterministic_values(name, param, seed))
     if optimizer is not None:
         optimizer.reload_model_params()
+
+
+def deterministic_values(name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+    """The values :func:`fill_deterministic_` gives this rank's ``param`` (its global ``name``):
+    float64, in the param's (local) shape, exact in bf16 and fp32."""
+    index, padding = _global_flat_index(name, param)
+    values = _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
+    # GTP pad rows are not part of the model: a value there that a norm counted would show.
+    return values.masked_fill(padding, _PADDING_VALUE)
 
 
 def global_param_shapes(

@@ -1,0 +1,201 @@
+"""Megatron-FSDP models on CPU gloo ranks: test-only patches, a builder, deterministic weights.
+
+``megatron.core.distributed.FullyShardedDataParallel`` runs on CPU with the CPU shim
+(:mod:`norm_optim.testing.shim`) plus the patches of :func:`install_megatron_fsdp_cpu_patches`,
+each named after the megatron code it exists for. Like the shim, never install them outside
+tests. Build the model with :func:`build_fsdp_model`, the optimizer with
+:func:`~norm_optim.testing.models.build_optimizer`, train with
+:func:`~norm_optim.testing.models.train_step`.
+
+Megatron-FSDP cannot reload its fp32 main weights from the model
+(``DistributedOptimizer.reload_model_params`` raises ``NotImplementedError``), so
+:func:`fill_fsdp_deterministic_` writes the oracle's values straight into this rank's shards of
+the model-weight and main-weight buffers, at any time (before or after steps).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from norm_optim.testing.shim import CpuShim, _Patch
+
+__all__ = [
+    "build_fsdp_model",
+    "fill_fsdp_deterministic_",
+    "install_megatron_fsdp_cpu_patches",
+]
+
+_HANDLE_ATTR = "_norm_optim_fsdp_patches"
+
+
+def _cuda_index_during(init: Callable[..., None]) -> Callable[..., None]:
+    # MegatronFSDP.__init__ compares its device with
+    # ``torch.device(f"cuda:{torch.cuda.current_device()}")``; the CPU shim's current_device is
+    # the CPU device, which makes that "cuda:cpu" (an error). Given device=cpu (as
+    # build_fsdp_model does), the comparison only logs a warning when the index is 0.
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        saved = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = saved  # type: ignore[assignment]
+
+    return wrapper
+
+
+class _CpuDeviceMesh:
+    """``FullyShardedDataParallel._init_dist_index`` builds its meshes with
+    ``DeviceMesh.from_group(..., device_type="cuda")``: build them on CPU (gloo) instead."""
+
+    @staticmethod
+    def from_group(*args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        kwargs["device_type"] = "cpu"
+        return DeviceMesh.from_group(*args, **kwargs)
+
+
+def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    # FullyShardedDataParallel.sync_rng_states_across_tp_group (TP > 1) broadcasts
+    # ``torch.cuda.get_rng_state()`` and loads it with ``torch.cuda.set_rng_state``.
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+class _NoTELinear:
+    """megatron-core 0.16.1 without Transformer Engine binds ``TELinear`` to a MagicMock, and
+    ``FullyShardedDataParallel._fix_tensor_parallel_attributes`` (TP > 1) calls
+    ``isinstance(module, (TELinear,))``, a TypeError. No module is a TELinear without TE."""
+
+
+def install_megatron_fsdp_cpu_patches() -> CpuShim:
+    """Patch megatron-core so that ``FullyShardedDataParallel`` builds on CPU ranks.
+
+    Process-local and idempotent; ``uninstall()`` the handle to restore the originals. Needs the
+    CPU shim too (:func:`~norm_optim.testing.run_ranks` installs it). Also pass
+    ``gradient_reduce_div_fusion=False`` in the DDP config: gloo has no ``PREMUL_SUM``
+    (:func:`build_fsdp_model` does).
+    """
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    existing = getattr(adapter, _HANDLE_ATTR, None)
+    if existing is not None and existing.installed:
+        return existing
+    patches = [
+        _Patch(megatron_fsdp.MegatronFSDP, "__init__",
+               _cuda_index_during(megatron_fsdp.MegatronFSDP.__init__)),
+        _Patch(adapter, "DeviceMesh", _CpuDeviceMesh),
+        _Patch(torch.cuda, "get_rng_state", _cpu_get_rng_state),
+        _Patch(torch.cuda, "set_rng_state", _cpu_set_rng_state),
+    ]
+    if not isinstance(getattr(adapter, "TELinear", type), type):
+        patches.append(_Patch(adapter, "TELinear", _NoTELinear))
+    patches.append(_Patch(adapter, _HANDLE_ATTR, None))
+    for patch in patches:
+        patch.apply()
+    handle = CpuShim(patches)
+    setattr(adapter, _HANDLE_ATTR, handle)
+    return handle
+
+
+def build_fsdp_model(
+    cfg: Any = None,
+    *,
+    freeze: Sequence[str] = (),
+    seed: int = 1234,
+    **ddp_overrides: Any,
+) -> list[torch.nn.Module]:
+    """This rank's model as one Megatron-FSDP chunk, as Megatron-LM builds it with
+    ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``.
+
+    GPT on the local spec, ``Float16Module`` (bf16), then ``FullyShardedDataParallel`` on the
+    CPU device. Megatron-FSDP has no pipeline axis: PP > 1 is a ``ValueError`` here (megatron
+    fails later with an einops error). Pass the chunks to
+    :func:`~norm_optim.testing.models.build_optimizer`.
+
+    Args:
+        cfg: the logical model (:class:`~norm_optim.testing.models.TinyGPTConfig`).
+        freeze: glob patterns of GPTModel param names to freeze before wrapping.
+        seed: seeds megatron's weight init.
+        ddp_overrides: extra ``DistributedDataParallelConfig`` fields.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    from norm_optim.testing.models import (
+        TinyGPTConfig,
+        _build_chunk,
+        _matching_params,
+        transformer_config,
+    )
+    from norm_optim.testing.shim import init_rng
+
+    pipeline = ps.get_pipeline_model_parallel_world_size()
+    if pipeline > 1:
+        raise ValueError(
+            f"Megatron-FSDP cannot be built with pipeline parallelism ({pipeline} stages): its "
+            "device mesh has no pipeline axis"
+        )
+    on_cpu = _cpu_shim_installed()
+    if on_cpu:
+        install_megatron_fsdp_cpu_patches()
+    cfg = cfg if cfg is not None else TinyGPTConfig()
+    init_rng(seed)
+    config = transformer_config(cfg)
+    gpt = _build_chunk(cfg, config, None)
+    for param in _matching_params(gpt, freeze):
+        param.requires_grad_(False)
+    model: torch.nn.Module = Float16Module(config, gpt) if cfg.bf16 else gpt
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        gradient_reduce_div_fusion=False,  # gloo has no PREMUL_SUM reduction
+        **ddp_overrides,
+    )
+    # On CUDA, Megatron-FSDP copies the weights to the current device itself.
+    device = torch.device("cpu") if on_cpu else None
+    return [FullyShardedDataParallel(config, ddp_config, model, device=device)]
+
+
+def _cpu_shim_installed() -> bool:
+    from norm_optim.testing.shim import _HANDLE_ATTR as SHIM_HANDLE
+
+    shim = getattr(torch.cuda.synchronize, SHIM_HANDLE, None)
+    return shim is not None and shim.installed
+
+
+@torch.no_grad()
+def fill_fsdp_deterministic_(model_chunks: Sequence[torch.nn.Module], seed: int) -> None:
+    """:func:`~norm_optim.testing.oracle.fill_deterministic_` for Megatron-FSDP chunks.
+
+    Writes each param's layout-independent values into this rank's shard of its bucket's
+    bf16 model weights and, for trainable params, fp32 main weights (in place, through
+    megatron's ``DataParallelBuffer.set_item``), so the optimizer's own tensors hold them.
+    The next forward pass all-gathers the new model weights.
+    """
+    from norm_optim.testing.oracle import deterministic_values, named_global_parameters
+
+    where: dict[int, tuple[Any, int]] = {}
+    for chunk in model_chunks:
+        for group in getattr(chunk, "param_and_grad_buffer").parameter_groups:
+            for item, param in enumerate(group.params):
+                where[id(param)] = (group, item)
+    for name, param in named_global_parameters(model_chunks):
+        group, item = where[id(param)]
+        values = deterministic_values(name, param, seed)
+        for buffer in (group.model_weight_buffer, group.main_weight_buffer):
+            if buffer is not None:
+                buffer.set_item(item, values.to(buffer.dtype))
