@@ -78,13 +78,12 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
     from norm_optim.integrations import megatron_lm
     from norm_optim.testing.megatron_lm import (
         RecordingSummaryWriter,
-        patches_applied,
         pretrain_gpt,
         recording_tensorboard_patches,
         tiny_gpt_args,
     )
     from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-    from norm_optim.testing.shim import _Patch
+    from norm_optim.testing.patching import Patch, patches_applied
 
     seen: dict[str, Any] = {"logged": [], "all_reduces": [], "reference": []}
     setup, training_log = training.setup_model_and_optimizer, training.training_log
@@ -116,8 +115,8 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         return training_log(*args, **kwargs)
 
     writer = RecordingSummaryWriter()
-    patches = [_Patch(training, "setup_model_and_optimizer", setup_spy),
-               _Patch(training, "training_log", training_log_spy),
+    patches = [Patch(training, "setup_model_and_optimizer", setup_spy),
+               Patch(training, "training_log", training_log_spy),
                *recording_tensorboard_patches(writer)]
     with patches_applied(patches), contextlib.ExitStack() as stack:
         if install is not None:

@@ -37,9 +37,9 @@ from norm_optim.testing.oracle import (
     oracle_norm,
     oracle_sum_of_squares,
 )
+from norm_optim.testing.layers import SequenceParallelTorchNorm
 from norm_optim.testing.shim import (
     CpuShim,
-    SequenceParallelTorchNorm,
     cpu_shim,
     init_rng,
     install_cpu_shim,

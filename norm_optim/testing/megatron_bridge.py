@@ -36,7 +36,15 @@ from typing import Any, Optional
 
 import torch
 
-from norm_optim.testing.shim import CpuShim, _Patch
+from norm_optim.testing.layers import with_sequence_parallel_norms
+from norm_optim.testing.loop_patches import (
+    allow_no_cuda_patches,
+    compile_helpers_patches,
+    cpu_rng_state_patches,
+    jit_fusion_options_patches,
+    one_cuda_device_patches,
+)
+from norm_optim.testing.patching import PatchSet
 
 __all__ = [
     "RankOutput",
@@ -158,77 +166,21 @@ def import_bridge() -> types.ModuleType:
 # Generic ones (the same fix for Megatron-LM's loop) are separate named functions.
 
 
-def one_cuda_device_patches() -> list[_Patch]:
-    """``torch.cuda.device_count()`` -> 1 and ``torch.cuda.set_device`` a no-op.
-
-    Bridge's ``_set_random_seed`` (``training/initialize.py``) calls megatron's
-    ``model_parallel_cuda_manual_seed`` only when ``device_count() > 0``; with
-    ``RNGConfig(inference_rng_tracker=True)`` that sets up the CUDA-free RNG tracker, without
-    which the forward pass fails ("cuda rng state model-parallel-rng is not added").
-    ``_initialize_distributed`` then calls ``set_device`` when it creates the process group.
-    """
-    return [_Patch(torch.cuda, "device_count", lambda: 1),
-            _Patch(torch.cuda, "set_device", lambda device: None)]
-
-
-def allow_no_cuda_patches(module: types.ModuleType) -> list[_Patch]:
-    """``module.initialize_megatron`` called with ``allow_no_cuda=True``.
-
-    Bridge's ``setup()`` (``training/setup.py``) calls ``initialize_megatron(cfg=...)``, which
-    asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``.
-    """
-    original = module.initialize_megatron
-
-    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
-        kwargs["allow_no_cuda"] = True
-        return original(*args, **kwargs)
-
-    return [_Patch(module, "initialize_megatron", initialize_megatron)]
-
-
-def compile_helpers_patches(module: types.ModuleType) -> list[_Patch]:
-    """``module.compile_helpers`` a no-op: megatron-core's wheel ships the built dataset index
-    helpers but not the Makefile ``megatron.core.datasets.utils.compile_helpers`` runs."""
-    return [_Patch(module, "compile_helpers", lambda: None)]
-
-
-def jit_fusion_options_patches(module: types.ModuleType) -> list[_Patch]:
-    """``module.set_jit_fusion_options`` a no-op: its warm-up of the fused bias-GeLU /
-    bias-dropout-add kernels builds inputs with ``torch.rand(..., device="cuda")``."""
-    return [_Patch(module, "set_jit_fusion_options", lambda *args, **kwargs: None)]
-
-
-def cpu_rng_state_patches() -> list[_Patch]:
-    """``torch.cuda.get_rng_state`` / ``set_rng_state`` on the CPU generator: checkpoint saves
-    and loads (Bridge's ``checkpointing.py`` ``get_rng_state``) store the CUDA RNG state.
-
-    Only checkpointing needs it; the tests here do not save (a ``torch_dist`` save and resume
-    in a forked rank meets further CPU-only problems: daemonic ranks cannot start the writer's
-    processes, and torch's Adam keeps a per-param ``step`` the distributed optimizer rejects).
-    """
-    return [_Patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
-            _Patch(torch.cuda, "set_rng_state",
-                   lambda new_state, device="cuda": torch.set_rng_state(new_state))]
-
-
-def install_bridge_cpu_patches() -> CpuShim:
+def install_bridge_cpu_patches() -> PatchSet:
     """Apply the per-rank patches Bridge's ``pretrain()`` needs on CPU, after the CPU shim.
 
     Each was found by removing it and watching ``pretrain()`` fail (except the RNG state one,
     see :func:`cpu_rng_state_patches`).
 
     Returns:
-        A handle (the CPU shim's handle class) whose ``uninstall()`` (or ``with``) restores the
-        originals, in reverse order.
+        A handle whose ``uninstall()`` (or ``with``) restores the originals, in reverse order.
     """
     from megatron.bridge.training import initialize, setup
 
-    patches = (one_cuda_device_patches() + cpu_rng_state_patches()
-               + allow_no_cuda_patches(setup) + compile_helpers_patches(initialize)
-               + jit_fusion_options_patches(setup))
-    for patch in patches:
-        patch.apply()
-    return CpuShim(patches)
+    return PatchSet.apply(
+        one_cuda_device_patches() + cpu_rng_state_patches() + allow_no_cuda_patches(setup)
+        + compile_helpers_patches(initialize) + jit_fusion_options_patches(setup)
+    )
 
 
 # ---------------------------------------------------------------- a tiny model and config
@@ -240,10 +192,8 @@ def cpu_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
     local spec's ``WrappedTorchNorm`` refuses it)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from norm_optim.testing.models import _with_sequence_parallel_norms
-
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-    return _with_sequence_parallel_norms(spec)
+    return with_sequence_parallel_norms(spec)
 
 
 def tiny_config(

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from norm_optim.testing.shim import CpuShim, _Patch
+from norm_optim.testing.loop_patches import cpu_rng_state_patches
+from norm_optim.testing.patching import Patch, PatchSet
 
 __all__ = [
     "build_fsdp_model",
@@ -61,23 +62,13 @@ class _CpuDeviceMesh:
         return DeviceMesh.from_group(*args, **kwargs)
 
 
-def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
-    # FullyShardedDataParallel.sync_rng_states_across_tp_group (TP > 1) broadcasts
-    # ``torch.cuda.get_rng_state()`` and loads it with ``torch.cuda.set_rng_state``.
-    return torch.get_rng_state()
-
-
-def _cpu_set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    torch.set_rng_state(state)
-
-
 class _NoTELinear:
     """megatron-core 0.16.1 without Transformer Engine binds ``TELinear`` to a MagicMock, and
     ``FullyShardedDataParallel._fix_tensor_parallel_attributes`` (TP > 1) calls
     ``isinstance(module, (TELinear,))``, a TypeError. No module is a TELinear without TE."""
 
 
-def install_megatron_fsdp_cpu_patches() -> CpuShim:
+def install_megatron_fsdp_cpu_patches() -> PatchSet:
     """Patch megatron-core so that ``FullyShardedDataParallel`` builds on CPU ranks.
 
     Process-local and idempotent; ``uninstall()`` the handle to restore the originals. Needs the
@@ -92,18 +83,17 @@ def install_megatron_fsdp_cpu_patches() -> CpuShim:
     if existing is not None and existing.installed:
         return existing
     patches = [
-        _Patch(megatron_fsdp.MegatronFSDP, "__init__",
+        Patch(megatron_fsdp.MegatronFSDP, "__init__",
                _cuda_index_during(megatron_fsdp.MegatronFSDP.__init__)),
-        _Patch(adapter, "DeviceMesh", _CpuDeviceMesh),
-        _Patch(torch.cuda, "get_rng_state", _cpu_get_rng_state),
-        _Patch(torch.cuda, "set_rng_state", _cpu_set_rng_state),
+        Patch(adapter, "DeviceMesh", _CpuDeviceMesh),
+        # FullyShardedDataParallel.sync_rng_states_across_tp_group (TP > 1) broadcasts the
+        # CUDA RNG state.
+        *cpu_rng_state_patches(),
     ]
     if not isinstance(getattr(adapter, "TELinear", type), type):
-        patches.append(_Patch(adapter, "TELinear", _NoTELinear))
-    patches.append(_Patch(adapter, _HANDLE_ATTR, None))
-    for patch in patches:
-        patch.apply()
-    handle = CpuShim(patches)
+        patches.append(Patch(adapter, "TELinear", _NoTELinear))
+    patches.append(Patch(adapter, _HANDLE_ATTR, None))
+    handle = PatchSet.apply(patches)
     setattr(adapter, _HANDLE_ATTR, handle)
     return handle
 

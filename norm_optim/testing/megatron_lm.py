@@ -21,7 +21,7 @@ Megatron-LM's ``pretrain_gpt.py`` is not in the wheel; :func:`pretrain_gpt` does
 
 **Test-only patches.** On top of the CPU shim (:mod:`norm_optim.testing.shim`, installed by
 ``run_ranks``), Megatron-LM's loop needs the patches below; each ``*_patches()`` function
-returns the reversible attribute patches (the shim's ``_Patch``) for one megatron code path and
+returns the reversible attribute patches (:class:`~norm_optim.testing.patching.Patch`) for one megatron code path and
 says which. :func:`cpu_loop_patches` are those any training loop on megatron-core needs (also
 Megatron-Bridge's: CUDA device count, dataset helper compilation, CUDA RNG state in checkpoints,
 ``torch_dist`` saves in a forked rank); :func:`megatron_lm_patches` those of
@@ -46,23 +46,24 @@ from typing import Any
 
 import torch
 
-# Shared with the CPU shim: one reversible attribute patch.
-from norm_optim.testing.shim import _Patch as Patch
+from norm_optim.testing.layers import with_sequence_parallel_norms
+from norm_optim.testing.loop_patches import (
+    allow_no_cuda_patches,
+    compile_helpers_patches,
+    cpu_rng_state_patches,
+    jit_fusion_options_patches,
+    one_cuda_device_patches,
+)
+from norm_optim.testing.patching import Patch, patches_applied
 
 __all__ = [
     "CPU_FLAGS",
     "PretrainResult",
     "RecordingSummaryWriter",
-    "compile_helpers_patches",
     "cpu_loop_patches",
-    "cpu_rng_state_patches",
     "device_arch_patches",
-    "device_count_patches",
-    "initialize_allow_no_cuda_patches",
-    "jit_fusion_patches",
     "megatron_lm_on_cpu",
     "megatron_lm_patches",
-    "patches_applied",
     "pretrain_gpt",
     "recording_tensorboard_patches",
     "sequence_parallel_norm_layer_spec",
@@ -88,44 +89,6 @@ CPU_FLAGS: tuple[str, ...] = (
 
 # ------------------------------------------------------------------ generic loop patches
 # Needed by any Megatron training loop built on megatron-core (Megatron-LM's, Megatron-Bridge's).
-
-
-def device_count_patches() -> list[Patch]:
-    """``torch.cuda.device_count`` -> 1 and ``torch.cuda.set_device`` a no-op.
-
-    ``_initialize_distributed`` (megatron/training/initialize.py) initializes megatron's parallel
-    state only ``if device_count > 0`` (and calls ``torch.cuda.set_device(local_rank)`` first):
-    with no GPU the loop would run with no model-parallel groups at all.
-    """
-    return [
-        Patch(torch.cuda, "device_count", lambda: 1),
-        Patch(torch.cuda, "set_device", lambda device: None),
-    ]
-
-
-def compile_helpers_patches() -> list[Patch]:
-    """``megatron.core.datasets.utils.compile_helpers`` a no-op.
-
-    ``_compile_dependencies`` runs ``make`` in the datasets package on rank 0; the wheel ships
-    the prebuilt ``helpers_cpp`` extension but no Makefile, so ``make`` fails and the job exits.
-    """
-    from megatron.core.datasets import utils
-
-    return [Patch(utils, "compile_helpers", lambda: None)]
-
-
-def cpu_rng_state_patches() -> list[Patch]:
-    """``torch.cuda.get_rng_state`` / ``set_rng_state`` on the CPU generator.
-
-    A checkpoint stores and restores ``'cuda_rng_state': torch.cuda.get_rng_state()``
-    (``get_rng_state`` / ``load_checkpoint`` in megatron/training/checkpointing.py), which
-    initializes CUDA. The CPU generator's state stands in for it.
-    """
-    return [
-        Patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
-        Patch(torch.cuda, "set_rng_state",
-              lambda new_state, device="cuda": torch.set_rng_state(new_state)),
-    ]
 
 
 def torch_dist_save_patches() -> list[Patch]:
@@ -163,36 +126,13 @@ def torch_dist_save_patches() -> list[Patch]:
 
 def cpu_loop_patches() -> list[Patch]:
     """The patches any megatron-core training loop needs on CPU (on top of the CPU shim)."""
-    return (device_count_patches() + compile_helpers_patches() + cpu_rng_state_patches()
+    from megatron.core.datasets import utils
+
+    return (one_cuda_device_patches() + compile_helpers_patches(utils) + cpu_rng_state_patches()
             + torch_dist_save_patches())
 
 
 # ------------------------------------------------------------------ megatron.training patches
-
-
-def initialize_allow_no_cuda_patches() -> list[Patch]:
-    """``pretrain`` calls ``initialize_megatron(allow_no_cuda=True)``.
-
-    ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``;
-    ``pretrain`` (megatron/training/training.py, which imported the function by name) never
-    passes it.
-    """
-    from megatron.training import training
-
-    return [Patch(training, "initialize_megatron",
-                  partial(training.initialize_megatron, allow_no_cuda=True))]
-
-
-def jit_fusion_patches() -> list[Patch]:
-    """``set_jit_fusion_options`` a no-op.
-
-    ``pretrain`` calls it; its ``_warmup_jit_function`` allocates with ``device="cuda"`` through
-    ``torch.rand`` (not routed by the shim) to warm up fused bias-GeLU / bias-dropout kernels
-    that ``CPU_FLAGS`` turn off anyway.
-    """
-    from megatron.training import training
-
-    return [Patch(training, "set_jit_fusion_options", lambda *args, **kwargs: None)]
 
 
 def device_arch_patches() -> list[Patch]:
@@ -209,21 +149,10 @@ def device_arch_patches() -> list[Patch]:
 
 def megatron_lm_patches() -> list[Patch]:
     """The patches ``megatron.training``'s own code needs on CPU."""
-    return initialize_allow_no_cuda_patches() + jit_fusion_patches() + device_arch_patches()
+    from megatron.training import training
 
-
-@contextlib.contextmanager
-def patches_applied(patches: Sequence[Patch]) -> Iterator[None]:
-    """Apply ``patches`` in order; revert the applied ones in reverse order on exit."""
-    applied: list[Patch] = []
-    try:
-        for patch in patches:
-            patch.apply()
-            applied.append(patch)
-        yield
-    finally:
-        for patch in reversed(applied):
-            patch.revert()
+    return (allow_no_cuda_patches(training) + jit_fusion_options_patches(training)
+            + device_arch_patches())
 
 
 @contextlib.contextmanager
@@ -247,13 +176,12 @@ def sequence_parallel_norm_layer_spec(model_config: Any, vp_stage: int | None = 
     """``GPTModelConfig.transformer_layer_spec`` for sequence parallelism with torch norms.
 
     MoE with TP > 1 requires sequence parallelism, which the local spec's ``WrappedTorchNorm``
-    refuses; this is megatron's default spec with :class:`SequenceParallelTorchNorm` instead.
+    refuses; this is megatron's default spec with
+    :class:`~norm_optim.testing.layers.SequenceParallelTorchNorm` instead.
     """
     from megatron.training.models.gpt import default_layer_spec
 
-    from norm_optim.testing.models import _with_sequence_parallel_norms
-
-    return _with_sequence_parallel_norms(default_layer_spec(model_config, vp_stage))
+    return with_sequence_parallel_norms(default_layer_spec(model_config, vp_stage))
 
 
 class RecordingSummaryWriter:

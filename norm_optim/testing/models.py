@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from norm_optim.testing.layers import with_sequence_parallel_norms
+
 __all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step", "transformer_config",
            "unwrap_gpt"]
 
@@ -92,7 +94,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         # The local (non-TE) attention refuses CP > 1; the optimizer's DP x CP sharding, which
         # is what a norm test needs, comes from the parallel state, not from this config.
         context_parallel_size=1,
-        # MoE with TP > 1 requires sequence parallelism (see SequenceParallelTorchNorm).
+        # MoE with TP > 1 requires sequence parallelism (see norm_optim.testing.layers).
         sequence_parallel=tp > 1 and bool(cfg.num_experts),
         add_bias_linear=(
             not cfg.num_experts if cfg.add_bias_linear is None else cfg.add_bias_linear
@@ -110,23 +112,6 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
     )
 
 
-def _with_sequence_parallel_norms(spec: Any) -> Any:
-    """A copy of a layer/block spec with ``WrappedTorchNorm`` swapped for one that allows SP."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from norm_optim.testing.shim import SequenceParallelTorchNorm
-
-    if spec is WrappedTorchNorm:
-        return SequenceParallelTorchNorm
-    if isinstance(spec, list):
-        return [_with_sequence_parallel_norms(s) for s in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _with_sequence_parallel_norms(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
-
-
 def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch.nn.Module:
     from megatron.core import parallel_state as ps
 
@@ -142,7 +127,7 @@ def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch
         from megatron.core.models.hybrid import hybrid_block
         from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-        spec = _with_sequence_parallel_norms(_hybrid_local_spec(cfg))
+        spec = with_sequence_parallel_norms(_hybrid_local_spec(cfg))
         # HybridStack builds its final norm from Transformer Engine's TENorm, whatever the spec
         # says: use the spec's own (torch) norm while it is built.
         original = hybrid_block.TENorm
@@ -160,7 +145,7 @@ def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block_spec = _with_sequence_parallel_norms(
+    block_spec = with_sequence_parallel_norms(
         get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
     )
     if cfg.mtp_num_layers:
@@ -169,7 +154,7 @@ def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch
             get_gpt_mtp_block_spec,
         )
 
-        layer_spec = _with_sequence_parallel_norms(get_gpt_layer_local_spec())
+        layer_spec = with_sequence_parallel_norms(get_gpt_layer_local_spec())
         stage["mtp_block_spec"] = get_gpt_mtp_block_spec(
             config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage
         )

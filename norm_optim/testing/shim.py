@@ -1,4 +1,4 @@
-"""Test-only CPU shim for megatron-core 0.16.1.
+"""Test-only CPU shim for megatron-core (0.16.1 and 0.19.2).
 
 megatron-core hard-codes CUDA in the paths a norm test needs (DDP buffers, the
 optimizers, the MoE router and token dispatcher). This module patches exactly
@@ -23,14 +23,17 @@ import contextlib
 import functools
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from norm_optim.testing.patching import Patch, PatchSet
+
+CpuShim = PatchSet
+"""Handle of an installed shim (a :class:`~norm_optim.testing.patching.PatchSet`)."""
+
 __all__ = [
     "CpuShim",
-    "SequenceParallelTorchNorm",
     "cpu_shim",
     "init_rng",
     "install_cpu_shim",
@@ -162,82 +165,40 @@ def _maybe_move_tensor_to_cpu(
     return tensor
 
 
-@dataclass
-class _Patch:
-    target: Any
-    name: str
-    value: Any
-    had_original: bool = False
-    original: Any = None
-
-    def apply(self) -> None:
-        self.had_original = hasattr(self.target, self.name)
-        self.original = getattr(self.target, self.name, None)
-        setattr(self.target, self.name, self.value)
-
-    def revert(self) -> None:
-        if self.had_original:
-            setattr(self.target, self.name, self.original)
-        else:
-            delattr(self.target, self.name)
-
-
-class CpuShim:
-    """Handle of an installed shim; :meth:`uninstall` restores every patched attribute."""
-
-    def __init__(self, patches: list[_Patch]) -> None:
-        self._patches = patches
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._patches)
-
-    def uninstall(self) -> None:
-        """Restore the originals (in reverse order). Safe to call twice."""
-        while self._patches:
-            self._patches.pop().revert()
-
-    def __enter__(self) -> CpuShim:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-
-def _megatron_patches() -> list[_Patch]:
+def _megatron_patches() -> list[Patch]:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     patches = [
-        _Patch(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
+        Patch(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
         # token_dispatcher imported the function by name, so patch its binding too.
-        _Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
+        Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
     ]
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
     # gloo's all_gather needs equal sizes, but the layer-wise optimizer all-gathers each rank's
     # (unequal) assigned params; megatron's own broadcast_params distributes the same values.
-    patches.append(_Patch(LayerWiseDistributedOptimizer, "allgather_params",
+    patches.append(Patch(LayerWiseDistributedOptimizer, "allgather_params",
                           LayerWiseDistributedOptimizer.broadcast_params))
     if not hasattr(moe_utils, "te_general_gemm"):
         # moe_utils binds ``te_general_gemm`` only when Transformer Engine imports, yet the
         # router's ``router_gemm_with_logits`` reads it unconditionally (NameError without TE).
-        patches.append(_Patch(moe_utils, "te_general_gemm", None))
+        patches.append(Patch(moe_utils, "te_general_gemm", None))
     return patches
 
 
-def _torch_patches() -> list[_Patch]:
+def _torch_patches() -> list[Patch]:
     patches = [
-        _Patch(torch.cuda, "current_device", _current_device),
-        _Patch(torch.cuda, "synchronize", _no_op),
-        _Patch(torch.cuda, "Stream", _NoOpStream),
-        _Patch(torch.cuda, "Event", _NoOpEvent),
-        _Patch(torch.cuda, "current_stream", _NoOpStream),
-        _Patch(torch.cuda, "default_stream", _NoOpStream),
-        _Patch(torch.cuda, "stream", _stream_context),
-        _Patch(torch.Tensor, "cuda", _tensor_cuda),
-        _Patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type)),
+        Patch(torch.cuda, "current_device", _current_device),
+        Patch(torch.cuda, "synchronize", _no_op),
+        Patch(torch.cuda, "Stream", _NoOpStream),
+        Patch(torch.cuda, "Event", _NoOpEvent),
+        Patch(torch.cuda, "current_stream", _NoOpStream),
+        Patch(torch.cuda, "default_stream", _NoOpStream),
+        Patch(torch.cuda, "stream", _stream_context),
+        Patch(torch.Tensor, "cuda", _tensor_cuda),
+        Patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type)),
     ]
-    patches += [_Patch(torch, n, _route_to_cpu(getattr(torch, n))) for n in _FACTORY_NAMES]
+    patches += [Patch(torch, n, _route_to_cpu(getattr(torch, n))) for n in _FACTORY_NAMES]
     return patches
 
 
@@ -253,10 +214,7 @@ def install_cpu_shim() -> CpuShim:
     existing = getattr(torch.cuda.synchronize, _HANDLE_ATTR, None)
     if existing is not None and existing.installed:
         return existing
-    patches = _torch_patches() + _megatron_patches()
-    for patch in patches:
-        patch.apply()
-    handle = CpuShim(patches)
+    handle = PatchSet.apply(_torch_patches() + _megatron_patches())
     setattr(torch.cuda.synchronize, _HANDLE_ATTR, handle)  # the shim's own _no_op function
     return handle
 
@@ -282,26 +240,3 @@ def init_rng(seed: int = 1234) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-class SequenceParallelTorchNorm:
-    """Drop-in for megatron's ``WrappedTorchNorm`` that allows sequence parallelism.
-
-    MoE with TP > 1 requires ``sequence_parallel=True``, which ``WrappedTorchNorm`` refuses. A
-    plain torch LayerNorm/RMSNorm is correct under sequence parallelism as long as its params
-    carry ``sequence_parallel=True``, so that ``finalize_model_grads`` all-reduces their grads
-    over the TP group (each TP rank saw only its slice of the sequence).
-    """
-
-    def __new__(  # type: ignore[misc]
-        cls, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any
-    ) -> torch.nn.Module:
-        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in norms:
-            raise ValueError(
-                f"SequenceParallelTorchNorm supports {sorted(norms)}, got {config.normalization!r}"
-            )
-        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
-        return norm

@@ -1,0 +1,77 @@
+"""Reversible attribute patches: what every test-only shim in :mod:`norm_optim.testing` is made of.
+
+A :class:`Patch` replaces one attribute and can put it back; a :class:`PatchSet` applies a list
+of them and restores them in reverse order (``uninstall()``, or ``with``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Patch:
+    """``setattr(target, name, value)``, undone by :meth:`revert` (deleting what was absent)."""
+
+    target: Any
+    name: str
+    value: Any
+    had_original: bool = False
+    original: Any = None
+
+    def apply(self) -> None:
+        self.had_original = hasattr(self.target, self.name)
+        self.original = getattr(self.target, self.name, None)
+        setattr(self.target, self.name, self.value)
+
+    def revert(self) -> None:
+        if self.had_original:
+            setattr(self.target, self.name, self.original)
+        else:
+            delattr(self.target, self.name)
+
+
+class PatchSet:
+    """Handle of applied patches; :meth:`uninstall` restores every patched attribute."""
+
+    def __init__(self, patches: list[Patch]) -> None:
+        self._patches = patches
+
+    @classmethod
+    def apply(cls, patches: Sequence[Patch]) -> "PatchSet":
+        """Apply ``patches`` in order (reverting the applied ones if one fails)."""
+        applied: list[Patch] = []
+        try:
+            for patch in patches:
+                patch.apply()
+                applied.append(patch)
+        except BaseException:
+            for patch in reversed(applied):
+                patch.revert()
+            raise
+        return cls(applied)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._patches)
+
+    def uninstall(self) -> None:
+        """Restore the originals (in reverse order). Safe to call twice."""
+        while self._patches:
+            self._patches.pop().revert()
+
+    def __enter__(self) -> "PatchSet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+@contextlib.contextmanager
+def patches_applied(patches: Sequence[Patch]) -> Iterator[None]:
+    """Apply ``patches`` in order; revert them in reverse order on exit."""
+    with PatchSet.apply(patches):
+        yield
