@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from ..errors import NormOptimError
+from ..norm import ParamNorms
 
 
 class ParamsNormWithBreakdown(float):
@@ -49,3 +52,23 @@ class DeferredParamsNorm:
 
     def __repr__(self) -> str:
         return "<params norm: read by training_log at log intervals>"
+
+
+def logged_value(norms: Optional[ParamNorms], breakdown: bool) -> Optional[float]:
+    """What a loop's ``training_log`` gets as ``params_norm``: None where it does not read it,
+    else the total (a :class:`ParamsNormWithBreakdown` when ``breakdown``)."""
+    if norms is None:
+        return None
+    if breakdown:
+        return ParamsNormWithBreakdown(float(norms.total), float(norms.dense), float(norms.expert))
+    return float(norms.total)
+
+
+def write_breakdown(norms: ParamNorms, iteration: int, tensorboard: Any, wandb: Any) -> None:
+    """``params-norm-dense`` and ``params-norm-expert`` to the loop's TensorBoard / W&B writers
+    (either may be None), next to the ``params-norm`` the loop writes itself."""
+    for tag, value in (("params-norm-dense", norms.dense), ("params-norm-expert", norms.expert)):
+        if tensorboard is not None:
+            tensorboard.add_scalar(tag, float(value), iteration)
+        if wandb is not None:
+            wandb.log({tag: float(value)}, iteration)

@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import NormOptimError
 from ..norm import ParamNorms
-from .common import DeferredParamsNorm, ParamsNormWithBreakdown
+from .common import DeferredParamsNorm, ParamsNormWithBreakdown, logged_value, write_breakdown
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
@@ -323,36 +323,19 @@ class MegatronBridgeIntegration:
             config, state = bound.arguments["config"], bound.arguments["global_state"]
             if log_reads_params_norm(config.logger, state.train_state.step):
                 norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
-            bound.arguments["params_norm"] = self._value(norms)
+            bound.arguments["params_norm"] = logged_value(norms, self._breakdown)
         result = self._original("training_log")(*bound.args, **bound.kwargs)
         if norms is not None and self._breakdown:
             self._write_breakdown(bound.arguments["config"], bound.arguments["global_state"],
                                   norms)
         return result
 
-    def _value(self, norms: Optional[ParamNorms]) -> Optional[float]:
-        if norms is None:
-            return None  # training_log does not read params_norm at this iteration
-        if self._breakdown:
-            return ParamsNormWithBreakdown(float(norms.total), float(norms.dense),
-                                           float(norms.expert))
-        return float(norms.total)
-
     @staticmethod
     def _write_breakdown(config: Any, state: Any, norms: ParamNorms) -> None:
-        """TensorBoard / W&B ``params-norm-dense`` and ``params-norm-expert``, next to Bridge's
-        ``params-norm``, where and when ``training_log`` writes that one."""
+        """Where and when ``training_log`` writes Bridge's ``params-norm``."""
         iteration = state.train_state.step
-        if iteration % config.logger.tensorboard_log_interval != 0:
-            return
-        scalars = {"params-norm-dense": float(norms.dense),
-                   "params-norm-expert": float(norms.expert)}
-        writer, wandb_writer = state.tensorboard_logger, state.wandb_logger
-        for tag, value in scalars.items():
-            if writer is not None:
-                writer.add_scalar(tag, value, iteration)
-            if wandb_writer is not None:
-                wandb_writer.log({tag: value}, iteration)
+        if iteration % config.logger.tensorboard_log_interval == 0:
+            write_breakdown(norms, iteration, state.tensorboard_logger, state.wandb_logger)
 
 
 def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronBridgeIntegration:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import NormOptimError
 from ..norm import ParamNorms
-from .common import DeferredParamsNorm, ParamsNormWithBreakdown
+from .common import DeferredParamsNorm, ParamsNormWithBreakdown, logged_value, write_breakdown
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
@@ -219,35 +219,20 @@ class MegatronLMIntegration:
             first = bool(bound.arguments.get("is_first_iteration", False))
             if log_reads_params_norm(_global_vars().get_args(), iteration, first):
                 norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
-            bound.arguments["params_norm"] = self._value(norms)
+            bound.arguments["params_norm"] = logged_value(norms, self._breakdown)
         result = self._originals["training_log"](*bound.args, **bound.kwargs)
         if norms is not None and self._breakdown:
             self._write_breakdown(bound.arguments["iteration"], norms)
         return result
 
-    def _value(self, norms: Optional[ParamNorms]) -> Optional[float]:
-        if norms is None:
-            return None  # training_log does not read params_norm at this iteration
-        if self._breakdown:
-            return ParamsNormWithBreakdown(float(norms.total), float(norms.dense),
-                                           float(norms.expert))
-        return float(norms.total)
-
     def _write_breakdown(self, iteration: int, norms: ParamNorms) -> None:
-        """TensorBoard / W&B ``params-norm-dense`` and ``params-norm-expert``, next to
-        Megatron's ``params-norm``, where and when ``training_log`` writes that one."""
+        """Where and when ``training_log`` writes Megatron's ``params-norm`` (the last rank
+        has the writers)."""
         global_vars = _global_vars()
-        args = global_vars.get_args()
         writer = global_vars.get_tensorboard_writer()
-        if writer is None or iteration % args.tensorboard_log_interval != 0:
+        if writer is None or iteration % global_vars.get_args().tensorboard_log_interval != 0:
             return
-        scalars = {"params-norm-dense": float(norms.dense),
-                   "params-norm-expert": float(norms.expert)}
-        wandb_writer = global_vars.get_wandb_writer()
-        for tag, value in scalars.items():
-            writer.add_scalar(tag, value, iteration)
-            if wandb_writer:
-                wandb_writer.log({tag: value}, iteration)
+        write_breakdown(norms, iteration, writer, global_vars.get_wandb_writer())
 
 
 def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronLMIntegration:
