@@ -46,7 +46,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/param_norm.py --quick $(ARGS)
+	$(BIN)/python -m benchmarks.param_norm --quick $(ARGS)
 
 train-latest test-latest bench-latest:
 	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)'

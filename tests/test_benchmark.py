@@ -1,7 +1,9 @@
-"""The benchmark script runs end to end (smallest case, both worlds) and writes what it promises.
+"""The benchmark (``python -m benchmarks.param_norm``) runs end to end (smallest case, both
+worlds) and writes what it promises.
 
 Timings are not asserted (shared, noisy machines); the structural facts are: one row per case ×
-method with the documented fields, and norm_optim's one collective, no host sync, and accuracy.
+method with the documented fields, the documented environment, and norm_optim's one collective,
+no host sync, and accuracy.
 """
 
 from __future__ import annotations
@@ -12,23 +14,29 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIELDS = {"case", "world", "numel", "tensors", "method", "median_s", "extra_peak_bytes",
-          "collectives", "host_syncs"}
+FIELDS = {"case", "kind", "world", "numel", "tensors", "layout", "device", "threads", "calls",
+          "memory_method", "local_numel", "local_tensors", "method", "median_s",
+          "extra_peak_bytes", "collectives", "host_syncs", "rel_error", "value", "reference"}
+ENVIRONMENT = {"date", "machine", "processor", "cpus", "python", "torch", "cuda",
+               "norm_optim_sources_sha1", "wall_s", "argv"}
 
 
 def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "rows.json"
     subprocess.run(
-        [sys.executable, "benchmarks/param_norm.py", "--cases", "moe-s", "--worlds", "1", "4",
+        [sys.executable, "-m", "benchmarks.param_norm", "--cases", "moe-s", "--worlds", "1", "4",
          "--calls", "3", "--warmup", "1", "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
     )
-    rows = json.loads(out.read_text())["rows"]
+    document = json.loads(out.read_text())
+    assert set(document) == {"environment", "targets", "rows"}
+    assert set(document["environment"]) == ENVIRONMENT
+    rows = document["rows"]
     assert {(r["world"], r["method"]) for r in rows} == {
         (w, m) for w in (1, 4) for m in ("norm_optim", "floor", "attribute_walk", "fp32_copy")
     }
     for row in rows:
-        assert FIELDS <= set(row), set(FIELDS) - set(row)
+        assert set(row) == FIELDS, set(row) ^ FIELDS
         if row["method"] == "norm_optim":
             assert row["collectives"] == 1 and row["host_syncs"] == 0
             assert row["rel_error"] <= 1e-6
