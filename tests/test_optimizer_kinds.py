@@ -27,15 +27,14 @@ import torch
 
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.versions import megatron_at_least
-from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
+from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
+from layouts import SMALL, SMALL_MOE, Layout
 from precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
 
 SEED = 11
 STEPS = 2
 REL = 1e-7  # the CPU kernel accumulates rows of <= 1024 in fp32 (norms: <= ~8e-8)
-DENSE = TinyGPTConfig(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64)
-MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 
 
 # ------------------------------------------------------------------------ kind builders
@@ -116,9 +115,7 @@ def _layer_wise(chunks: list) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    world: int
-    cfg: TinyGPTConfig = DENSE
-    parallel: tuple[tuple[str, int], ...] = ()
+    layout: Layout
     dist_opt: bool = True
     bf16: bool = True
     build: str = "standard"
@@ -128,23 +125,24 @@ class Kind:
     reloads: bool = True
 
 
+DP2, TP2_DP2 = Layout(2, SMALL), Layout(4, SMALL, tp=2)
+MOE_EP2 = Layout(2, SMALL_MOE, ep=2)
 KINDS = {
-    "float16-dp2": Kind(2, dist_opt=False),
-    "distributed-dp2": Kind(2),
-    "fp32-dp2": Kind(2, dist_opt=False, bf16=False),
-    "fp32-distributed-dp2": Kind(2, bf16=False),
-    "chained-dense-expert-ep2-dp2": Kind(4, MOE, (("ep", 2),)),
-    "chained-dense-expert-float16-ep2": Kind(2, MOE, (("ep", 2),), dist_opt=False),
-    "layer-wise-dp2": Kind(2, dist_opt=False, build="layer_wise"),
-    "layer-wise-tp2-dp2": Kind(4, parallel=(("tp", 2),), dist_opt=False, build="layer_wise"),
-    "layer-wise-moe-ep2-dp2": Kind(4, MOE, (("ep", 2),), dist_opt=False, build="layer_wise"),
-    "hybrid-offload-dp2": Kind(2, build="hybrid", reloads=False),
-    "hybrid-offload-precision-aware-dp2": Kind(2, build="hybrid-pa"),
-    "precision-aware-standin-dp2": Kind(2, build="precision_aware", reloads=False),
-    "precision-aware-standin-tp2-dp2": Kind(4, parallel=(("tp", 2),), build="precision_aware",
-                                             reloads=False),
-    "precision-aware-remainders-tp2-dp2": Kind(4, parallel=(("tp", 2),),
-                                                build="precision_aware_remainders", reloads=False),
+    "float16-dp2": Kind(DP2, dist_opt=False),
+    "distributed-dp2": Kind(DP2),
+    "fp32-dp2": Kind(DP2, dist_opt=False, bf16=False),
+    "fp32-distributed-dp2": Kind(DP2, bf16=False),
+    "chained-dense-expert-ep2-dp2": Kind(Layout(4, SMALL_MOE, ep=2)),
+    "chained-dense-expert-float16-ep2": Kind(MOE_EP2, dist_opt=False),
+    "layer-wise-dp2": Kind(DP2, dist_opt=False, build="layer_wise"),
+    "layer-wise-tp2-dp2": Kind(TP2_DP2, dist_opt=False, build="layer_wise"),
+    "layer-wise-moe-ep2-dp2": Kind(Layout(4, SMALL_MOE, ep=2), dist_opt=False, build="layer_wise"),
+    "hybrid-offload-dp2": Kind(DP2, build="hybrid", reloads=False),
+    "hybrid-offload-precision-aware-dp2": Kind(DP2, build="hybrid-pa"),
+    "precision-aware-standin-dp2": Kind(DP2, build="precision_aware", reloads=False),
+    "precision-aware-standin-tp2-dp2": Kind(TP2_DP2, build="precision_aware", reloads=False),
+    "precision-aware-remainders-tp2-dp2": Kind(TP2_DP2, build="precision_aware_remainders",
+                                                reloads=False),
 }
 
 
@@ -223,8 +221,8 @@ def _reference_norm(optimizer: Any, layer_wise: bool) -> float:
 def _kind_body(kind: Kind) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer
 
-    init_parallel(**dict(kind.parallel))
-    cfg = dataclasses.replace(kind.cfg, bf16=kind.bf16)
+    init_parallel(**kind.layout.parallel())
+    cfg = dataclasses.replace(kind.layout.cfg, bf16=kind.bf16)
     chunks = build_model(cfg, use_distributed_optimizer=kind.dist_opt, seed=SEED)
     with _main_params_declared_on_device():
         inner = _build(kind, chunks)
@@ -259,7 +257,7 @@ def _kind_body(kind: Kind) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(KINDS))
 def test_every_kind_matches_its_updated_tensors_and_the_oracle(name: str) -> None:
     kind = KINDS[name]
-    results = run_ranks(_kind_body, kind.world, kind, timeout=120)
+    results = run_ranks(_kind_body, kind.layout.world, kind, timeout=120)
     for rank, got in enumerate(results):
         assert got["norms"] == pytest.approx(got["references"], rel=REL), f"rank {rank}"
         assert got["norms"] == results[0]["norms"], "every rank gets the same number"
