@@ -95,8 +95,11 @@ def test_wrapper_is_transparent() -> None:
     # The wrapper's own state never lands on the wrapped optimizer, whatever its names.
     assert set(vars(optimizer)) == {"_state"}
     assert not any(name.startswith("_state") for name in vars(inner))
+    registry, norm = optimizer.registry, float(optimizer.param_l2_norm())
     optimizer.reducer = "written through"  # a name the wrapper's state also uses
-    assert inner.reducer == "written through" and optimizer.registry is not None
+    assert inner.reducer == "written through"
+    # ... and the wrapper's own reducer and registry are untouched.
+    assert optimizer.registry is registry and float(optimizer.param_l2_norm()) == norm
     assert optimizer.wrapped_optimizer is inner
     with pytest.raises(TypeError, match="already a NormAwareOptimizer"):
         NormAwareOptimizer(optimizer)
