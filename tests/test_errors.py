@@ -9,6 +9,8 @@ gloo CPU ranks (``run_ranks``). Errors of the integrations live with them
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from megatron.core.optimizer import OptimizerConfig
@@ -23,8 +25,9 @@ from norm_optim import (
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer
 from norm_optim.versions import megatron_at_least
-from layouts import DENSE
+from layouts import DENSE, SMALL
 from mocked_state import TinyMoE, float16_optimizer, mocked_ranks
+from precision_aware_standin import build_precision_aware_optimizer
 
 # The single-process tests build megatron's Float16 / FP32 optimizers, which hard-code CUDA.
 single_process = pytest.mark.usefixtures("megatron_cpu_shim")
@@ -90,22 +93,32 @@ def test_mimo_optimizer_is_refused_by_class() -> None:
         NormAwareOptimizer(mimo, model=model)
 
 
+def _low_precision_master_body(dtype: torch.dtype, declared: bool) -> str:
+    """The precision-aware distributed optimizer (TE's FusedAdam stand-in) with master weights
+    that are not fp32: declared up front, or found in its state."""
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True)
+    if declared:  # as TE's FusedAdam(master_weight_dtype=...) says before its first step
+        inner = build_precision_aware_optimizer(chunks, main_params_dtype=dtype)
+    else:
+        inner = build_precision_aware_optimizer(chunks)
+        te_adam = inner.chained_optimizers[0].optimizer
+        shard = te_adam.param_groups[0]["params"][0]
+        te_adam.state[shard]["master_param"] = torch.zeros_like(shard, dtype=dtype)
+    try:
+        NormAwareOptimizer(inner, model=chunks)
+    except UnsupportedOptimizerError as error:
+        return str(error)
+    return "no error"
+
+
 @pytest.mark.parametrize(
     "dtype,declared", [(torch.float16, False), (torch.int16, False), (torch.float16, True)],
     ids=["fp16-state", "int16-without-remainders", "fp16-declared-before-any-state"],
 )
 def test_low_precision_master_weights_are_refused_by_name(dtype: torch.dtype, declared: bool) -> None:
-    from norm_optim.megatron.optimizers import _precision_aware_master
-
-    shard = torch.zeros(4, dtype=torch.bfloat16)
-    inner = torch.optim.SGD([shard], lr=0.1)
-    if declared:  # as TE's FusedAdam(master_weight_dtype=...) says before its first step
-        inner.master_weight_dtype = dtype
-    else:
-        inner.state[shard]["master_param"] = torch.zeros(4, dtype=dtype)
-    leaf = type("Leaf", (), {"optimizer": inner, "model_param_group_index_map": {shard: (0, 0)}})
-    with pytest.raises(UnsupportedOptimizerError, match=rf"{dtype} tensors.*fp32 master"):
-        _precision_aware_master(leaf, shard)
+    message = run_ranks(_low_precision_master_body, 1, dtype, declared, timeout=60)[0]
+    assert re.search(rf"{dtype} tensors.*fp32 master", message), message
 
 
 # ------------------------------------------------------------------ the model
