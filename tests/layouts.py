@@ -4,7 +4,8 @@ A :class:`Layout` is a world size, a tiny model and the parallel sizes (plus the
 options that change what a rank holds: frozen params, fp32 params, optimizer instances, GTP,
 the optimizer); ``init_parallel(**layout.parallel())`` sets it up and ``layout.marks()`` skips
 it, with the reason, on a megatron-core that cannot build it. A test file keeps its own table of
-named layouts (what it needs to prove differs), always in this format and on these models.
+named layouts (what it needs to prove differs), always in this format and on these models;
+:func:`filled_oracle` is the fill-then-oracle step of the multi-rank tests.
 
 Sizes: ``DENSE`` / ``MOE`` have 4 layers so that PP2×VPP2, PP4 and MoE on some stages only have
 a layer for every chunk; ``SMALL`` / ``SMALL_MOE`` have 2, for tests that need no deeper
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from norm_optim.testing.models import TinyGPTConfig
+from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
 from norm_optim.versions import megatron_at_least
 
 DENSE = TinyGPTConfig(hidden_size=32, num_layers=4, num_attention_heads=4, vocab_size=64)
@@ -86,6 +88,13 @@ class Layout:
             return [pytest.mark.skip(reason=f"{self.optimizer} in get_megatron_optimizer needs "
                                      "megatron-core >= 0.19 and emerging-optimizers (Python >= 3.12)")]
         return []
+
+
+def filled_oracle(chunks: list, optimizer: Any, seed: int) -> float:
+    """Fill every weight (and the optimizer's fp32 copies) with its layout-independent values for
+    ``seed``; return the exact norm they must give."""
+    fill_deterministic_(chunks, seed, optimizer=optimizer)
+    return oracle_norm(global_param_shapes(chunks), seed)
 
 
 def _has_emerging() -> bool:

@@ -74,3 +74,8 @@ def float16_optimizer(model: torch.nn.Module) -> Float16OptimizerWithFloat16Para
 
 def oracle(tensors: list[torch.Tensor]) -> float:
     return float(torch.sqrt(sum(t.detach().double().pow(2).sum() for t in tensors)))
+
+
+# The CPU shim around a single-process test (conftest's fixture): megatron's Float16 / FP32
+# optimizers hard-code CUDA type strings.
+single_process = pytest.mark.usefixtures("megatron_cpu_shim")

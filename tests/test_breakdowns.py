@@ -15,9 +15,9 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RecordingCommunicator
-from mocked_state import TinyMoE, float16_optimizer, oracle
+from mocked_state import TinyMoE, float16_optimizer, oracle, single_process
 
-pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+pytestmark = single_process
 
 
 def test_breakdowns_share_the_single_all_reduce() -> None:

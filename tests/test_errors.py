@@ -26,12 +26,8 @@ from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer
 from norm_optim.versions import megatron_at_least
 from layouts import DENSE, SMALL
-from mocked_state import TinyMoE, float16_optimizer, mocked_ranks
+from mocked_state import TinyMoE, float16_optimizer, mocked_ranks, single_process
 from precision_aware_standin import build_precision_aware_optimizer
-
-# The single-process tests build megatron's Float16 / FP32 optimizers, which hard-code CUDA.
-single_process = pytest.mark.usefixtures("megatron_cpu_shim")
-
 
 # ------------------------------------------------------------------ optimizers
 

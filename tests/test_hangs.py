@@ -19,15 +19,10 @@ from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RankFailedError, RecordingCommunicator, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from layouts import DENSE, MOE, SMALL
+from layouts import DENSE, MOE, SMALL, filled_oracle
 
 SEED = 5
 REL = 1e-7  # the CPU kernel accumulates rows of 256 in fp32 (~2e-8)
-
-
-def _filled_oracle(chunks: list, optimizer: Any, seed: int) -> float:
-    fill_deterministic_(chunks, seed, optimizer=optimizer)
-    return oracle_norm(global_param_shapes(chunks), seed)
 
 
 def _counts_nothing_body() -> dict:
@@ -36,7 +31,7 @@ def _counts_nothing_body() -> dict:
     chunks = build_model(SMALL, use_distributed_optimizer=False, seed=SEED)
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    oracle = _filled_oracle(chunks, optimizer, 1)
+    oracle = filled_oracle(chunks, optimizer, 1)
     return {"oracle": oracle, "norm": float(optimizer.param_l2_norm()),
             "counted": len(optimizer.registry.counted)}
 
@@ -81,7 +76,7 @@ def _uneven_moe_body() -> dict:
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     train_step(chunks, optimizer, seed=0)
-    oracle = _filled_oracle(chunks, optimizer, 1)
+    oracle = filled_oracle(chunks, optimizer, 1)
     norms = optimizer.param_l2_norms(per_param=True)
     return {"oracle": oracle, "norm": float(optimizer.param_l2_norm()),
             "per_param_total": float(norms.total),

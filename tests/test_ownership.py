@@ -16,9 +16,9 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RecordingCommunicator
-from mocked_state import TinyMoE, float16_optimizer, mocked_ranks, oracle
+from mocked_state import TinyMoE, float16_optimizer, mocked_ranks, oracle, single_process
 
-pytestmark = pytest.mark.usefixtures("megatron_cpu_shim")
+pytestmark = single_process
 
 
 def test_plain_single_process_counts_everything_but_tied_copy() -> None:

@@ -21,31 +21,21 @@ import torch
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
-from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from layouts import MOE, SMALL
-from mocked_state import TinyMoE, float16_optimizer, oracle
+from layouts import MOE, SMALL, filled_oracle
+from mocked_state import TinyMoE, float16_optimizer, oracle, single_process
 from precision_aware_standin import build_precision_aware_optimizer
 
 SEED = 5
 REL = 1e-7  # the CPU kernel accumulates rows of 256 in fp32 (~2e-8)
 
-# The single-process tests build megatron's Float16 / FP32 optimizers, which hard-code CUDA.
-single_process = pytest.mark.usefixtures("megatron_cpu_shim")
-
-
-def _filled_oracle(chunks: list, optimizer: Any, seed: int) -> float:
-    fill_deterministic_(chunks, seed, optimizer=optimizer)
-    return oracle_norm(global_param_shapes(chunks), seed)
-
-
-def _checkpoint_body(dist_opt: bool, through_wrapper: bool) -> dict:
+def _load_state_dict_body(dist_opt: bool, through_wrapper: bool) -> dict:
     init_parallel()
     chunks = build_model(SMALL, use_distributed_optimizer=dist_opt, seed=SEED)
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     loader = optimizer if through_wrapper else inner
     train_step(chunks, optimizer, seed=0)
-    result = {"oracle1": _filled_oracle(chunks, optimizer, 1)}
+    result = {"oracle1": filled_oracle(chunks, optimizer, 1)}
     result["saved"] = float(optimizer.param_l2_norm())
     saved = copy.deepcopy(optimizer.state_dict())
     leaf = inner.chained_optimizers[0]
@@ -60,7 +50,7 @@ def _checkpoint_body(dist_opt: bool, through_wrapper: bool) -> dict:
                         entry.setdefault("padding", False)
     # Other values everywhere (model and mains), then load the checkpoint's mains back: the model
     # params keep seed 2, so only a norm read from the loaded mains gives the seed-1 oracle.
-    result["oracle2"] = _filled_oracle(chunks, optimizer, 2)
+    result["oracle2"] = filled_oracle(chunks, optimizer, 2)
     result["before_load"] = float(optimizer.param_l2_norm())
     loader.load_state_dict(saved)
     if dist_opt:
@@ -72,7 +62,7 @@ def _checkpoint_body(dist_opt: bool, through_wrapper: bool) -> dict:
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["wrapper", "inner"])
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
 def test_load_state_dict_and_parameter_state(dist_opt: bool, through_wrapper: bool) -> None:
-    for got in run_ranks(_checkpoint_body, 2, dist_opt, through_wrapper):
+    for got in run_ranks(_load_state_dict_body, 2, dist_opt, through_wrapper):
         assert got["saved"] == pytest.approx(got["oracle1"], rel=REL)
         assert got["before_load"] == pytest.approx(got["oracle2"], rel=REL)
         assert got["loaded"] == pytest.approx(got["oracle1"], rel=REL)
@@ -97,7 +87,7 @@ def _offload_body(dist_opt: bool, through_wrapper: bool) -> dict:
     chunks = build_model(SMALL, use_distributed_optimizer=dist_opt, seed=SEED)
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    oracle = _filled_oracle(chunks, optimizer, 1)
+    oracle = filled_oracle(chunks, optimizer, 1)
     old_registry = weakref.ref(optimizer.registry)
     _swap_storage(optimizer if through_wrapper else inner)
     for group in inner.param_groups:  # write through the new storage only
@@ -164,7 +154,7 @@ def _rebuilt_optimizer_body() -> dict:
     chunks = build_model(MOE, use_distributed_optimizer=True, seed=SEED)
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    oracle = _filled_oracle(chunks, optimizer, 1)
+    oracle = filled_oracle(chunks, optimizer, 1)
     first = float(optimizer.param_l2_norm())
     # Rebuild the expert leaf (as a resumed run re-creating its optimizer would) with scaled mains.
     rebuilt = build_optimizer(chunks, lr=1e-2).chained_optimizers[1]

@@ -18,13 +18,9 @@ from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from layouts import DENSE, MOE, Layout
-from mocked_state import TinyMoE, float16_optimizer
+from mocked_state import TinyMoE, float16_optimizer, single_process
 
 SEED = 5
-
-# The single-process tests build megatron's Float16 / FP32 optimizers, which hard-code CUDA.
-single_process = pytest.mark.usefixtures("megatron_cpu_shim")
-
 
 LAYOUTS = {
     "dense-tp2-pp2": Layout(4, DENSE, tp=2, pp=2),
