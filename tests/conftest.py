@@ -5,7 +5,11 @@ inherits the imported modules starts in ~0.1 s instead of re-importing megatron 
 """
 
 import warnings
+from typing import Iterator
 
+import pytest
+
+from norm_optim.testing import cpu_shim
 from norm_optim.testing.megatron_bridge import bridge_available, import_bridge
 
 if bridge_available():
@@ -23,3 +27,11 @@ with warnings.catch_warnings():
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+
+
+@pytest.fixture
+def megatron_cpu_shim() -> Iterator[None]:
+    """The CPU shim around a single-process test: megatron's Float16 / FP32 optimizers hard-code
+    CUDA type strings. (Multi-rank tests install it in each rank: ``init_parallel``.)"""
+    with cpu_shim():
+        yield

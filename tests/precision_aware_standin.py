@@ -190,7 +190,10 @@ def precision_aware_config(**fields: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     remainders = fields.pop("store_param_remainders", False)
+    # Only the precision-aware optimizer may keep other master dtypes (TE's master_weight_dtype).
+    main_params_dtype = fields.pop("main_params_dtype", torch.float32)
     config = OptimizerConfig(use_precision_aware_optimizer=False, **fields)
+    config.main_params_dtype = main_params_dtype
     config.use_precision_aware_optimizer = True
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
     config.store_param_remainders = remainders

@@ -1,4 +1,4 @@
-"""The norm follows megatron distributed checkpoints (``dist_checkpointing``, issue #7 item 2).
+"""The norm follows megatron distributed checkpoints (``dist_checkpointing``).
 
 Real megatron-core 0.16.1 ``dist_checkpointing.save`` / ``load`` (``torch_dist`` backend, the
 default) on gloo CPU ranks, distributed optimizer, tiny models on DP2, TP2xDP2 and EP2xDP2
@@ -43,30 +43,22 @@ What does not run on CPU with megatron-core 0.16.1, and why (``test_unsupported_
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
-from norm_optim.testing.models import (
-    TinyGPTConfig,
-    build_model,
-    build_optimizer,
-    train_step,
-    unwrap_gpt,
-)
+from norm_optim.testing.models import build_model, build_optimizer, train_step, unwrap_gpt
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
+from layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 1, 2
-REL = 1e-7  # as in test_robustness: the CPU kernel's fp32 row accumulation (~2e-8)
+REL = 1e-7  # the CPU kernel's fp32 row accumulation (~2e-8)
 TIMEOUT = 60.0
-DENSE = TinyGPTConfig(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64)
-MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
-LAYOUTS = {  # name: (world size, model, parallel sizes)
-    "dp2": (2, DENSE, {}),
-    "tp2-dp2": (4, DENSE, dict(tp=2)),
-    "moe-ep2-dp2": (4, MOE, dict(ep=2)),
+LAYOUTS = {
+    "dp2": Layout(2, SMALL),
+    "tp2-dp2": Layout(4, SMALL, tp=2),
+    "moe-ep2-dp2": Layout(4, SMALL_MOE, ep=2),
 }
 
 
@@ -107,15 +99,14 @@ def _sharded_state_dict(chunks: list, optimizer: Any, sharding: str | None,
     return state
 
 
-def _save_load_body(directory: str, cfg: TinyGPTConfig, parallel: dict,
-                    sharding: str | None) -> dict:
+def _save_load_body(directory: str, layout: Layout, sharding: str | None) -> dict:
     from megatron.core import dist_checkpointing
 
     from norm_optim import NormAwareOptimizer
 
     _allow_sync_save()
-    init_parallel(**parallel)
-    chunks = build_model(cfg, use_distributed_optimizer=True, seed=5)
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=True, seed=5)
     inner = build_optimizer(chunks, lr=1e-2)
     train_step(chunks, inner, seed=0)  # Adam state exists, as in any saved run
     fill_deterministic_(chunks, SEED_A, optimizer=inner)
@@ -142,9 +133,8 @@ def _save_load_body(directory: str, cfg: TinyGPTConfig, parallel: dict,
 @pytest.mark.parametrize("sharding", [None, "dp_reshardable"], ids=["model-only", "dp_reshardable"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_norm_follows_dist_checkpoint_load(tmp_path: Any, layout: str, sharding: str | None) -> None:
-    world, cfg, parallel = LAYOUTS[layout]
-    results = run_ranks(_save_load_body, world, str(tmp_path), cfg, parallel, sharding,
-                        timeout=TIMEOUT)
+    results = run_ranks(_save_load_body, LAYOUTS[layout].world, str(tmp_path), LAYOUTS[layout],
+                        sharding, timeout=TIMEOUT)
     assert (tmp_path / "metadata.json").exists() and any(tmp_path.glob("*.distcp"))
     for rank, got in enumerate(results):
         assert got["oracle_a"] != pytest.approx(got["oracle_b"], rel=1e-4), "seeds too close"
@@ -168,4 +158,4 @@ def test_unsupported_optimizer_formats_fail_in_megatron(tmp_path: Any, sharding:
     """Pins what megatron-core 0.16.1 cannot do here (module docstring); if this starts to pass,
     move the format into ``test_norm_follows_dist_checkpoint_load``."""
     with pytest.raises(RankFailedError, match=error):
-        run_ranks(_save_load_body, 2, str(tmp_path), DENSE, {}, sharding, timeout=TIMEOUT)
+        run_ranks(_save_load_body, 2, str(tmp_path), LAYOUTS["dp2"], sharding, timeout=TIMEOUT)

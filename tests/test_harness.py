@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -30,72 +29,65 @@ from norm_optim.testing.oracle import (
     named_global_parameters,
     oracle_sum_of_squares,
 )
+from layouts import Layout
 
-DENSE = TinyGPTConfig()
-DENSE4 = TinyGPTConfig(num_layers=4)
-MOE = TinyGPTConfig(num_experts=4)
+# The builders' defaults, as a user of norm_optim.testing gets them.
+DEFAULT = TinyGPTConfig()
+DEFAULT4 = TinyGPTConfig(num_layers=4)
+DEFAULT_MOE = TinyGPTConfig(num_experts=4)
 MOE_ON_LAST_STAGE = TinyGPTConfig(num_experts=4, moe_layer_freq=(0, 1))
 
-
-@dataclass(frozen=True)
-class Case:
-    """A layout (``init_parallel`` kwargs) on ``world`` ranks and the model built on it."""
-
-    id: str
-    world: int
-    layout: dict[str, Any]
-    model: TinyGPTConfig = DENSE
-    build: dict[str, Any] = field(default_factory=dict)
-
-
-LAYOUTS = [
-    Case("w1", 1, {}),
-    Case("tp2", 2, dict(tp=2)),
-    Case("tp2-pp2", 4, dict(tp=2, pp=2)),
-    Case("pp2-vpp2-dp2", 4, dict(pp=2, vpp=2), DENSE4),
-    Case("tp2-pp2-dp2", 8, dict(tp=2, pp=2)),
-    Case("ep2", 2, dict(ep=2), MOE),
-    Case("tp2-ep2", 4, dict(tp=2, ep=2), MOE),
-    Case("ep4-alltoall", 4, dict(ep=4), TinyGPTConfig(num_experts=4,
-                                                      moe_token_dispatcher_type="alltoall")),
-    Case("tp2-pp2-ep2-etp1-moe-last-stage", 8, dict(tp=2, pp=2, ep=2, etp=1), MOE_ON_LAST_STAGE),
-]
-EXTRA_LAYOUTS = [
-    Case("cp2-tp2", 4, dict(cp=2, tp=2)),
-    Case("instances2", 4, dict(num_distributed_optimizer_instances=2),
-         build=dict(num_distributed_optimizer_instances=2)),
-    Case("ep2-frozen-mixed-fp32", 2, dict(ep=2), TinyGPTConfig(num_experts=2),
-         build=dict(freeze=["decoder.layers.0.self_attention.*"],
-                    fp32_params=["*layernorm*", "*router*"])),
-]
-ORACLE_LAYOUTS = [c for c in LAYOUTS if c.id in {"w1", "tp2", "pp2-vpp2-dp2", "ep2"}] + [
-    Case("tp2-pp2-ep2-vpp2-untied", 8, dict(tp=2, pp=2, ep=2, vpp=2),
-         TinyGPTConfig(num_experts=4, num_layers=4, moe_layer_freq=(0, 1, 0, 1),
-                       tie_embeddings=False)),
-    EXTRA_LAYOUTS[-1],
-]
+LAYOUTS = {
+    "w1": Layout(1, DEFAULT),
+    "tp2": Layout(2, DEFAULT, tp=2),
+    "tp2-pp2": Layout(4, DEFAULT, tp=2, pp=2),
+    "pp2-vpp2-dp2": Layout(4, DEFAULT4, pp=2, vpp=2),
+    "tp2-pp2-dp2": Layout(8, DEFAULT, tp=2, pp=2),
+    "ep2": Layout(2, DEFAULT_MOE, ep=2),
+    "tp2-ep2": Layout(4, DEFAULT_MOE, tp=2, ep=2),
+    "ep4-alltoall": Layout(4, TinyGPTConfig(num_experts=4, moe_token_dispatcher_type="alltoall"),
+                           ep=4),
+    "tp2-pp2-ep2-etp1-moe-last-stage": Layout(8, MOE_ON_LAST_STAGE, tp=2, pp=2, ep=2, etp=1),
+}
+EXTRA_LAYOUTS = {
+    "cp2-tp2": Layout(4, DEFAULT, cp=2, tp=2),
+    "instances2": Layout(4, DEFAULT, instances=2),
+    "ep2-frozen-mixed-fp32": Layout(2, TinyGPTConfig(num_experts=2), ep=2,
+                                    freeze=("decoder.layers.0.self_attention.*",),
+                                    fp32_params=("*layernorm*", "*router*")),
+}
+ORACLE_LAYOUTS = {
+    **{name: LAYOUTS[name] for name in ("w1", "tp2", "pp2-vpp2-dp2", "ep2")},
+    "tp2-pp2-ep2-vpp2-untied": Layout(8, TinyGPTConfig(num_experts=4, num_layers=4,
+                                                       moe_layer_freq=(0, 1, 0, 1),
+                                                       tie_embeddings=False),
+                                      tp=2, pp=2, ep=2, vpp=2),
+    "ep2-frozen-mixed-fp32": EXTRA_LAYOUTS["ep2-frozen-mixed-fp32"],
+}
 
 
-def _params(cases: list[Case], dist_opt: tuple[bool, ...] = (False, True)) -> list[Any]:
-    return [pytest.param(c, d, id=f"{c.id}-{'distopt' if d else 'fp16opt'}")
-            for c in cases for d in dist_opt]
+def _params(layouts: dict[str, Layout], dist_opt: tuple[bool, ...] = (False, True)) -> list[Any]:
+    return [pytest.param(layout, d, id=f"{name}-{'distopt' if d else 'fp16opt'}")
+            for name, layout in layouts.items() for d in dist_opt]
 
 
-def _build_and_step(case: Case, dist_opt: bool) -> tuple[list[torch.nn.Module], Any, tuple]:
-    init_parallel(**case.layout)
-    chunks = build_model(case.model, use_distributed_optimizer=dist_opt, **case.build)
+def _build_and_step(layout: Layout, dist_opt: bool) -> tuple[list[torch.nn.Module], Any, tuple]:
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, freeze=layout.freeze,
+                         fp32_params=layout.fp32_params,
+                         num_distributed_optimizer_instances=layout.instances)
     optimizer = build_optimizer(chunks)
     return chunks, optimizer, train_step(chunks, optimizer)
 
 
-def _step_result(case: Case, dist_opt: bool) -> tuple[bool, float, str]:
-    _, optimizer, (ok, grad_norm, _) = _build_and_step(case, dist_opt)
+def _step_result(layout: Layout, dist_opt: bool) -> tuple[bool, float, str]:
+    _, optimizer, (ok, grad_norm, _) = _build_and_step(layout, dist_opt)
     return ok, grad_norm, type(optimizer.chained_optimizers[0]).__name__
 
 
-@pytest.mark.parametrize("case, dist_opt", _params(LAYOUTS) + _params(EXTRA_LAYOUTS, (True,)))
-def test_real_optimizer_steps(case: Case, dist_opt: bool) -> None:
-    results = run_ranks(_step_result, case.world, case, dist_opt, timeout=60)
+@pytest.mark.parametrize("layout, dist_opt", _params(LAYOUTS) + _params(EXTRA_LAYOUTS, (True,)))
+def test_real_optimizer_steps(layout: Layout, dist_opt: bool) -> None:
+    results = run_ranks(_step_result, layout.world, layout, dist_opt, timeout=60)
     assert all(ok for ok, _, _ in results)
     grad_norms = {grad_norm for _, grad_norm, _ in results}
     assert len(grad_norms) == 1, f"the global grad norm differs across ranks: {grad_norms}"
@@ -136,8 +128,8 @@ def _main_params_match(optimizer: Any) -> bool:
     return True
 
 
-def _dedup_sums_after_fill(case: Case, dist_opt: bool, seed: int) -> tuple[dict, dict, bool]:
-    chunks, optimizer, _ = _build_and_step(case, dist_opt)
+def _dedup_sums_after_fill(layout: Layout, dist_opt: bool, seed: int) -> tuple[dict, dict, bool]:
+    chunks, optimizer, _ = _build_and_step(layout, dist_opt)
     fill_deterministic_(chunks, seed, optimizer)
     local = {_shard_key(name, p): torch.sum(p.detach().double() ** 2).item()
              for name, p in named_global_parameters(chunks) if p.requires_grad}
@@ -146,11 +138,11 @@ def _dedup_sums_after_fill(case: Case, dist_opt: bool, seed: int) -> tuple[dict,
     return gathered, global_param_shapes(chunks), _main_params_match(optimizer)
 
 
-@pytest.mark.parametrize("case, dist_opt", _params(ORACLE_LAYOUTS, (True,))
-                         + _params(ORACLE_LAYOUTS[:2], (False,)))
-def test_oracle_equals_deduplicated_sum_of_actual_params(case: Case, dist_opt: bool) -> None:
+@pytest.mark.parametrize("layout, dist_opt", _params(ORACLE_LAYOUTS, (True,))
+                         + _params({n: LAYOUTS[n] for n in ("w1", "tp2")}, (False,)))
+def test_oracle_equals_deduplicated_sum_of_actual_params(layout: Layout, dist_opt: bool) -> None:
     seed = 17
-    gathered, shapes, main_match = run_ranks(_dedup_sums_after_fill, case.world, case, dist_opt,
+    gathered, shapes, main_match = run_ranks(_dedup_sums_after_fill, layout.world, layout, dist_opt,
                                              seed, timeout=60)[0]
     shards: dict[tuple[str, int], float] = {}
     for rank, sums in enumerate(gathered):

@@ -22,72 +22,12 @@ from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.versions import megatron_at_least
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
+from layouts import DENSE, GTP_DENSE, GTP_MOE, HYBRID, MOE, MTP, Layout
 
 SEED = 7
 # Not representable in bf16: a norm taken from the bf16 params would be off by ~1e-3.
 MAIN_SCALE = 1.0 + 2.0**-10
 REL = 1e-6
-
-DENSE = TinyGPTConfig(hidden_size=32, num_layers=4, num_attention_heads=4, vocab_size=64)
-MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
-# GTP pads dim 0 of each weight it shards to a multiple of 16 x GTP size: hidden 48 leaves pad rows
-# (qkv 144 -> 160 rows, proj / fc2 48 -> 64), some shards all padding at TP2.
-GTP_DENSE = dataclasses.replace(DENSE, hidden_size=48, ffn_hidden_size=96)
-GTP_MOE = dataclasses.replace(GTP_DENSE, num_experts=4, moe_ffn_hidden_size=40)
-MTP = dataclasses.replace(DENSE, mtp_num_layers=1, position_embedding_type="rope")
-# HybridModel (GPTModel's successor since 0.19): attention, MLP and MoE layers in one stack.
-HYBRID = dataclasses.replace(MOE, hybrid_layer_pattern="*-E*-E")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    world: int
-    cfg: TinyGPTConfig = DENSE
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    instances: int = 1
-    ddp_instances: int | None = None  # None: as ``instances`` (what Megatron-LM configures)
-    freeze: tuple[str, ...] = ()
-    fp32_params: tuple[str, ...] = ()
-    # Read the coordinates from an explicit ProcessGroupCollection, not the global state.
-    pg_collection: bool = False
-    # GTP weight remat (megatron-core >= 0.19): dense and expert GTP sizes (part of DP).
-    gtp: int = 1
-    egtp: int = 1
-    dist_opt_refused: bool = False
-    # get_megatron_optimizer's optimizer and use_layer_wise_distributed_optimizer; with the
-    # distributed optimizer (megatron-core >= 0.19) the layer-wise one gets its own DDP layout
-    # and the result is ChainedOptimizer([LayerWiseDistributedOptimizer, DistributedOptimizer]).
-    optimizer: str = "adam"
-    layer_wise: bool = False
-
-    def parallel(self) -> dict[str, Any]:
-        gtp = {"gtp_remat_size": self.gtp} if self.gtp > 1 else {}
-        if self.egtp > 1:
-            gtp["expert_gtp_remat_size"] = self.egtp
-        return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
-                    num_distributed_optimizer_instances=self.instances, **gtp)
-
-    def marks(self) -> list[Any]:
-        if self.cfg.hybrid_layer_pattern and not megatron_at_least(0, 19):
-            return [pytest.mark.skip(reason="HybridModel exists since megatron-core 0.19")]
-        if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
-            return [pytest.mark.skip(reason="GTP weight remat exists since megatron-core 0.19")]
-        if self.optimizer != "adam" and not (megatron_at_least(0, 19) and _has_emerging()):
-            return [pytest.mark.skip(reason=f"{self.optimizer} in get_megatron_optimizer needs "
-                                     "megatron-core >= 0.19 and emerging-optimizers (Python >= 3.12)")]
-        return []
-
-
-def _has_emerging() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("emerging_optimizers") is not None
-
 
 LAYOUTS = {
     "dp1": Layout(1),

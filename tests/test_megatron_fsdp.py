@@ -18,7 +18,6 @@ move to new storage behind the wrapper's back (the fingerprint must notice).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import tempfile
@@ -32,45 +31,32 @@ from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.megatron_fsdp import build_fsdp_model, fill_fsdp_deterministic_
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
+from layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 7, 8
 MAIN_SCALE = 1.0 + 2.0**-10
 REL = 1e-6
 TIMEOUT = 120.0
 
-DENSE = TinyGPTConfig(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64)
-MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    world: int
-    cfg: TinyGPTConfig = DENSE
-    tp: int = 1
-    ep: int = 1
-    freeze: tuple[str, ...] = ()
-    # Hybrid FSDP: optimizer instances, and whether the main weights are sharded across them.
-    instances: int = 1
-    outer: str = "no_shard"
-
-    def fsdp(self) -> dict[str, Any]:
-        """``build_fsdp_model`` keyword arguments."""
-        hybrid = dict(num_distributed_optimizer_instances=self.instances,
-                      outer_dp_sharding_strategy=self.outer)
-        return dict(freeze=self.freeze, **(hybrid if self.instances > 1 else {}))
+def _fsdp_options(layout: Layout) -> dict[str, Any]:
+    """``build_fsdp_model`` keyword arguments: frozen params, and hybrid FSDP's instances."""
+    hybrid = dict(num_distributed_optimizer_instances=layout.instances,
+                  outer_dp_sharding_strategy=layout.outer_dp_sharding)
+    return dict(freeze=layout.freeze, **(hybrid if layout.instances > 1 else {}))
 
 
 LAYOUTS = {
-    "dp2": Layout(2),
-    "dp4": Layout(4),
-    "tp2-dp2": Layout(4, tp=2),
-    "moe-ep2-edp1": Layout(2, MOE, ep=2),
-    "moe-ep2-edp2": Layout(4, MOE, ep=2),
-    "moe-tp2-ep2": Layout(4, MOE, tp=2, ep=2),
-    "tp2-dp2-frozen": Layout(4, tp=2, freeze=("decoder.layers.0.*", "embedding.*")),
+    "dp2": Layout(2, SMALL),
+    "dp4": Layout(4, SMALL),
+    "tp2-dp2": Layout(4, SMALL, tp=2),
+    "moe-ep2-edp1": Layout(2, SMALL_MOE, ep=2),
+    "moe-ep2-edp2": Layout(4, SMALL_MOE, ep=2),
+    "moe-tp2-ep2": Layout(4, SMALL_MOE, tp=2, ep=2),
+    "tp2-dp2-frozen": Layout(4, SMALL, tp=2, freeze=("decoder.layers.0.*", "embedding.*")),
     # Two optimizer instances of DP2: each holds all shards / the shards span both.
-    "hsdp-2x2-outer-no_shard": Layout(4, instances=2),
-    "hsdp-2x2-outer-optim": Layout(4, instances=2, outer="optim"),
+    "hsdp-2x2-outer-no_shard": Layout(4, SMALL, instances=2),
+    "hsdp-2x2-outer-optim": Layout(4, SMALL, instances=2, outer_dp_sharding="optim"),
 }
 
 
@@ -176,8 +162,8 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
             self.all_reduces += 1
             return super().all_reduce_sum(tensor, group, async_op)
 
-    init_parallel(tp=layout.tp, ep=layout.ep, num_distributed_optimizer_instances=layout.instances)
-    chunks = build_fsdp_model(layout.cfg, seed=3, **layout.fsdp())
+    init_parallel(**layout.parallel())
+    chunks = build_fsdp_model(layout.cfg, seed=3, **_fsdp_options(layout))
     inner = build_optimizer(chunks, lr=1e-2)
     counting = Counting()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=counting)
@@ -316,7 +302,7 @@ def test_megatron_calc_params_l2_norm_is_exact_on_dense() -> None:
     """For fairness: without experts Megatron's DTensor walk is exact too (same run)."""
     pytest.importorskip("megatron.training", reason="megatron-core 0.16.1 ships no "
                         "megatron.training (Megatron-LM's calc_params_l2_norm)")
-    expected = _oracle(DENSE, (), SEED_A)["total"]
+    expected = _oracle(SMALL, (), SEED_A)["total"]
     for got in _run("tp2-dp2"):
         assert got["megatron"] == pytest.approx(expected, rel=1e-5)
 
@@ -338,7 +324,7 @@ def test_megatron_0_16_fsdp_cannot_freeze() -> None:
 
 def _build_only(build: dict[str, Any], parallel: dict[str, int] | None = None) -> None:
     init_parallel(**(parallel or {}))
-    build_fsdp_model(DENSE, **build)
+    build_fsdp_model(SMALL, **build)
 
 
 def _pipeline_body() -> dict[str, str]:
@@ -352,16 +338,16 @@ def _pipeline_body() -> dict[str, str]:
     errors = {}
     init_parallel(pp=2)
     try:
-        build_fsdp_model(DENSE)
+        build_fsdp_model(SMALL)
     except ValueError as exc:
         errors["builder"] = str(exc)
-    config = transformer_config(DENSE)
+    config = transformer_config(SMALL)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
         use_distributed_optimizer=True, gradient_reduce_div_fusion=False)
     try:  # megatron itself, bypassing the builder's check
         FullyShardedDataParallel(config, ddp_config, Float16Module(config,
-                                 _build_chunk(DENSE, config, None)), device=torch.device("cpu"))
+                                 _build_chunk(SMALL, config, None)), device=torch.device("cpu"))
     except Exception as exc:  # noqa: BLE001 - whatever megatron raises is the finding
         errors["megatron"] = f"{type(exc).__name__}: {exc}"
 
@@ -369,7 +355,7 @@ def _pipeline_body() -> dict[str, str]:
 
     ps.destroy_model_parallel()
     init_parallel()  # what megatron can build, then a chunk that says it is one of 2 stages
-    chunks = build_fsdp_model(DENSE)
+    chunks = build_fsdp_model(SMALL)
     inner = build_optimizer(chunks)
     chunks[0].config.pipeline_model_parallel_size = 2
     try:
@@ -392,7 +378,7 @@ def _plain_ddp_body() -> str:
     from norm_optim import NormAwareOptimizer
 
     init_parallel()
-    chunks = build_model(DENSE, use_distributed_optimizer=True, use_megatron_fsdp=True)
+    chunks = build_model(SMALL, use_distributed_optimizer=True, use_megatron_fsdp=True)
     try:
         NormAwareOptimizer(build_optimizer(chunks), model=chunks)
     except UnsupportedOptimizerError as exc:
@@ -411,7 +397,7 @@ def _hybrid_moe_body() -> str:
     from norm_optim import NormAwareOptimizer
 
     init_parallel(ep=2, num_distributed_optimizer_instances=2)
-    chunks = build_fsdp_model(MOE, num_distributed_optimizer_instances=2)
+    chunks = build_fsdp_model(SMALL_MOE, num_distributed_optimizer_instances=2)
     try:
         NormAwareOptimizer(build_optimizer(chunks), model=chunks)
     except UnsupportedOptimizerError as exc:

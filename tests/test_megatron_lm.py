@@ -1,4 +1,4 @@
-"""Megatron-LM's real training loop serves ``--log-params-norm`` from norm_optim (issue #11).
+"""Megatron-LM's real training loop serves ``--log-params-norm`` from norm_optim.
 
 Each test runs megatron-core's ``megatron.training.pretrain`` (a tiny GPT on mock data, a few
 iterations) on gloo CPU ranks with ``norm_optim.integrations.megatron_lm.install()``, and checks

@@ -11,8 +11,11 @@ Kinds that cannot run on CPU as they are are built as close to production as pos
   device while its sub-optimizer works on CPU copies (main params on CPU, model elsewhere).
 - The precision-aware optimizer uses :class:`PrecisionAwareAdamStandIn`, which reproduces TE
   FusedAdam's state layout, fp32 masters or int16 remainders (TE cannot run on CPU).
-- Muon needs the ``emerging_optimizers`` package (not installed): the layer-wise distributed
-  optimizer is tested with the Adam leaves ``get_megatron_muon_optimizer`` also chains into it.
+- The layer-wise distributed optimizer is tested here with the Adam leaves
+  ``get_megatron_muon_optimizer`` also chains into it; Muon itself (``emerging_optimizers``,
+  megatron-core >= 0.19) through ``get_megatron_optimizer`` is in ``test_layouts.py`` (``muon-*``).
+
+Also a plain ``torch.optim`` optimizer, in one process and replicated over DP2.
 """
 
 from __future__ import annotations
@@ -25,17 +28,17 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.versions import megatron_at_least
-from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
+from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
+from layouts import SMALL, SMALL_MOE, Layout
 from precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
 
 SEED = 11
 STEPS = 2
 REL = 1e-7  # the CPU kernel accumulates rows of <= 1024 in fp32 (norms: <= ~8e-8)
-DENSE = TinyGPTConfig(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64)
-MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 
 
 # ------------------------------------------------------------------------ kind builders
@@ -116,9 +119,7 @@ def _layer_wise(chunks: list) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    world: int
-    cfg: TinyGPTConfig = DENSE
-    parallel: tuple[tuple[str, int], ...] = ()
+    layout: Layout
     dist_opt: bool = True
     bf16: bool = True
     build: str = "standard"
@@ -128,23 +129,24 @@ class Kind:
     reloads: bool = True
 
 
+DP2, TP2_DP2 = Layout(2, SMALL), Layout(4, SMALL, tp=2)
+MOE_EP2 = Layout(2, SMALL_MOE, ep=2)
 KINDS = {
-    "float16-dp2": Kind(2, dist_opt=False),
-    "distributed-dp2": Kind(2),
-    "fp32-dp2": Kind(2, dist_opt=False, bf16=False),
-    "fp32-distributed-dp2": Kind(2, bf16=False),
-    "chained-dense-expert-ep2-dp2": Kind(4, MOE, (("ep", 2),)),
-    "chained-dense-expert-float16-ep2": Kind(2, MOE, (("ep", 2),), dist_opt=False),
-    "layer-wise-dp2": Kind(2, dist_opt=False, build="layer_wise"),
-    "layer-wise-tp2-dp2": Kind(4, parallel=(("tp", 2),), dist_opt=False, build="layer_wise"),
-    "layer-wise-moe-ep2-dp2": Kind(4, MOE, (("ep", 2),), dist_opt=False, build="layer_wise"),
-    "hybrid-offload-dp2": Kind(2, build="hybrid", reloads=False),
-    "hybrid-offload-precision-aware-dp2": Kind(2, build="hybrid-pa"),
-    "precision-aware-standin-dp2": Kind(2, build="precision_aware", reloads=False),
-    "precision-aware-standin-tp2-dp2": Kind(4, parallel=(("tp", 2),), build="precision_aware",
-                                             reloads=False),
-    "precision-aware-remainders-tp2-dp2": Kind(4, parallel=(("tp", 2),),
-                                                build="precision_aware_remainders", reloads=False),
+    "float16-dp2": Kind(DP2, dist_opt=False),
+    "distributed-dp2": Kind(DP2),
+    "fp32-dp2": Kind(DP2, dist_opt=False, bf16=False),
+    "fp32-distributed-dp2": Kind(DP2, bf16=False),
+    "chained-dense-expert-ep2-dp2": Kind(Layout(4, SMALL_MOE, ep=2)),
+    "chained-dense-expert-float16-ep2": Kind(MOE_EP2, dist_opt=False),
+    "layer-wise-dp2": Kind(DP2, dist_opt=False, build="layer_wise"),
+    "layer-wise-tp2-dp2": Kind(TP2_DP2, dist_opt=False, build="layer_wise"),
+    "layer-wise-moe-ep2-dp2": Kind(Layout(4, SMALL_MOE, ep=2), dist_opt=False, build="layer_wise"),
+    "hybrid-offload-dp2": Kind(DP2, build="hybrid", reloads=False),
+    "hybrid-offload-precision-aware-dp2": Kind(DP2, build="hybrid-pa"),
+    "precision-aware-standin-dp2": Kind(DP2, build="precision_aware", reloads=False),
+    "precision-aware-standin-tp2-dp2": Kind(TP2_DP2, build="precision_aware", reloads=False),
+    "precision-aware-remainders-tp2-dp2": Kind(TP2_DP2, build="precision_aware_remainders",
+                                                reloads=False),
 }
 
 
@@ -221,10 +223,8 @@ def _reference_norm(optimizer: Any, layer_wise: bool) -> float:
 
 
 def _kind_body(kind: Kind) -> dict[str, Any]:
-    from norm_optim import NormAwareOptimizer
-
-    init_parallel(**dict(kind.parallel))
-    cfg = dataclasses.replace(kind.cfg, bf16=kind.bf16)
+    init_parallel(**kind.layout.parallel())
+    cfg = dataclasses.replace(kind.layout.cfg, bf16=kind.bf16)
     chunks = build_model(cfg, use_distributed_optimizer=kind.dist_opt, seed=SEED)
     with _main_params_declared_on_device():
         inner = _build(kind, chunks)
@@ -259,7 +259,7 @@ def _kind_body(kind: Kind) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(KINDS))
 def test_every_kind_matches_its_updated_tensors_and_the_oracle(name: str) -> None:
     kind = KINDS[name]
-    results = run_ranks(_kind_body, kind.world, kind, timeout=120)
+    results = run_ranks(_kind_body, kind.layout.world, kind, timeout=120)
     for rank, got in enumerate(results):
         assert got["norms"] == pytest.approx(got["references"], rel=REL), f"rank {rank}"
         assert got["norms"] == results[0]["norms"], "every rank gets the same number"
@@ -270,3 +270,39 @@ def test_every_kind_matches_its_updated_tensors_and_the_oracle(name: str) -> Non
         if "inner_load" in got:
             assert got["inner_load"] == pytest.approx(got["inner_load_reference"], rel=REL)
     print(name, results[0]["leaves"], results[0]["sources"])
+
+
+# ------------------------------------------------------------------------ plain torch.optim
+
+
+def test_plain_torch_optimizer_single_process() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    model[2].weight.requires_grad_(False)  # frozen: counted from the model, not the optimizer
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    optimizer = NormAwareOptimizer(sgd, model=model)
+    model(torch.randn(4, 7)).sum().backward()
+    optimizer.step()
+    expected = math.sqrt(sum(float(p.double().pow(2).sum()) for p in model.parameters()))
+    assert float(optimizer.param_l2_norm()) == pytest.approx(expected, rel=REL)
+    assert {r.source for r in optimizer.registry} == {"fp32-param", "frozen"}
+    assert isinstance(optimizer, torch.optim.SGD)
+
+
+def _plain_torch_dp_body() -> dict:
+    init_parallel()  # DP2: params replicated on both ranks
+    torch.manual_seed(0)  # the same replica everywhere
+    model = torch.nn.Linear(6, 4)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    optimizer = NormAwareOptimizer(adam, model=model)
+    model(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
+    local = math.sqrt(sum(float(p.double().pow(2).sum()) for p in model.parameters()))
+    return {"norm": float(optimizer.param_l2_norm()), "local": local,
+            "reasons": sorted({str(r.reason) for r in optimizer.registry})}
+
+
+def test_plain_torch_optimizer_replicated_over_dp_is_counted_once() -> None:
+    results = run_ranks(_plain_torch_dp_body, 2)
+    for got in results:
+        assert got["norm"] == pytest.approx(results[0]["local"], rel=REL)
+    assert results[0]["reasons"] == ["None"] and results[1]["reasons"] == ["dp-replica"]
