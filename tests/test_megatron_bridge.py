@@ -7,8 +7,9 @@ to its layout-independent value (``fill_deterministic_``) at ``on_train_start``;
 the weights stay there, so every logged norm must equal the exact oracle computed on one process
 from the shapes of the *world-1* run. What is checked is what the loop itself wrote: the
 TensorBoard scalar ``params-norm`` (float32) and the printed `` params norm: x.xxx |``.
-Bridge's own ``calc_params_l2_norm``, called from a callback on the same weights, is recorded
-and shown where it differs (two distributed-optimizer instances: √2 too large).
+Bridge's own ``calc_params_l2_norm``, called from a callback on the same weights as its loop
+calls it, is recorded and shown where it differs (two distributed-optimizer instances: √2 too
+large; Megatron-FSDP with EP: each EP rank counts only its own experts).
 
 Skipped when Megatron-Bridge is not installed (``make test-bridge`` builds an environment
 with it).
@@ -59,13 +60,14 @@ class _DeterministicWeights(Callback):  # type: ignore[misc]
 
 class _BridgeOwnNorm(Callback):  # type: ignore[misc]
     """At every ``on_train_step_end`` (every rank): Bridge's own ``calc_params_l2_norm`` of the
-    weights the loop then logs, for comparison."""
+    weights the loop then logs, called as its loop calls it, for comparison."""
 
     def on_train_step_end(self, context: CallbackContext) -> None:
         from megatron.bridge.training.utils.train_utils import calc_params_l2_norm
         from megatron.core.utils import get_model_config
 
-        norm = calc_params_l2_norm(context.model, get_model_config(context.model[0]))
+        norm = calc_params_l2_norm(context.model, get_model_config(context.model[0]),
+                                   use_megatron_fsdp=context.state.cfg.dist.use_megatron_fsdp)
         context.user_state.setdefault("bridge", []).append(float(norm))
 
 
@@ -160,6 +162,41 @@ def test_two_distributed_optimizer_instances(kind: str, world1_shapes: dict[str,
     assert bridge == pytest.approx(math.sqrt(2) * expected, rel=1e-5)
 
 
+FSDP_LAYOUTS = {  # name: (world size, layout); MoE ones are where Bridge's own value is wrong
+    "dense DP2": (2, {}),
+    "dense TP2": (2, {"tp": 2}),
+    "MoE EP2": (2, {"num_experts": 4, "ep": 2}),
+    "MoE EP2 x expert-DP2 (4 ranks)": (4, {"num_experts": 4, "ep": 2}),
+}
+
+
+@pytest.mark.parametrize("name", FSDP_LAYOUTS)
+def test_megatron_fsdp(name: str, world1_shapes: dict[str, Any], tmp_path: Path) -> None:
+    """Megatron-FSDP (``optim_grads_params``): the logged norm is exact. Bridge's own function
+    (its DTensor walk) is right on dense layouts; with experts each EP rank counts only its own
+    experts (the expert mesh has no EP dimension), so its value is too small and differs
+    between EP ranks."""
+    world, layout = FSDP_LAYOUTS[name]
+    moe = bool(layout.get("num_experts"))
+    expected, _, _ = _oracle(world1_shapes["moe" if moe else "dense"])
+    ranks = _run(tmp_path, world, megatron_fsdp=True, **layout)
+
+    written = _tensorboard(tmp_path / "tb", "params-norm")
+    assert sorted(written) == list(range(1, ITERATIONS + 1))
+    for value in written.values():
+        assert value == pytest.approx(expected, rel=1e-6)
+    printed = [float(m.group(1)) for line in ranks[-1].lines if (m := _PRINTED.search(line))]
+    assert printed == [pytest.approx(expected, abs=5e-4)] * ITERATIONS
+    bridge = [rank.user_state["bridge"][-1] for rank in ranks]
+    print(f"\nMegatron-FSDP {name}: norm_optim {expected:.6f}, Bridge's calc_params_l2_norm "
+          f"on ranks 0..{world - 1}: {', '.join(f'{b:.6f}' for b in bridge)}")
+    if not moe:
+        assert bridge == [pytest.approx(expected, rel=1e-5)] * world
+    else:
+        assert all(b < expected * (1 - 1e-3) for b in bridge)
+        assert len({round(b, 5) for b in bridge}) > 1  # the ranks disagree
+
+
 def test_breakdown(world1_shapes: dict[str, Any], tmp_path: Path) -> None:
     """``install(breakdown=True)``: the log line and TensorBoard carry dense and expert norms."""
     total, dense, expert = _oracle(world1_shapes["moe"])
@@ -246,12 +283,16 @@ def test_log_reads_params_norm(writer: str | None) -> None:
     assert read == ([3, 4, 6, 8, 9, 12] if writer else [4, 8, 12])
 
 
-def test_norm_follows_training(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [
+    pytest.param({"num_experts": 4, "ep": 2}, id="MoE EP2 distributed optimizer"),
+    pytest.param({"megatron_fsdp": True}, id="dense DP2 Megatron-FSDP"),
+])
+def test_norm_follows_training(layout: dict[str, Any], tmp_path: Path) -> None:
     """With a learning rate, the logged norm moves; it equals Bridge's own value at every step
-    (MoE EP2, distributed optimizer: a layout where Bridge's function is right)."""
+    (on layouts where Bridge's function is right)."""
     iterations = 3
-    config = tiny_config(world_size=2, num_experts=4, ep=2, train_iters=iterations, lr=1e-2,
-                         tensorboard_dir=str(tmp_path / "tb"))
+    config = tiny_config(world_size=2, train_iters=iterations, lr=1e-2,
+                         tensorboard_dir=str(tmp_path / "tb"), **layout)
     ranks = run_pretrain(config, 2, callbacks=[_BridgeOwnNorm()],
                          before=megatron_bridge.install)
 
@@ -312,6 +353,19 @@ def test_optimizer_config_copy() -> None:
     assert type(restored) is megatron_bridge.NormAwareOptimizerConfig and restored == copy
     with pytest.raises(TypeError, match="expected an OptimizerConfig instance, got dict"):
         megatron_bridge.norm_aware_optimizer_config({"lr": 1.0})
+
+
+def test_megatron_fsdp_patches_are_reversible() -> None:
+    from megatron.core.distributed import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+
+    from norm_optim.testing.megatron_bridge import install_bridge_megatron_fsdp_cpu_patches
+
+    originals = (FullyShardedDataParallel.__init__, adapter.DeviceMesh)
+    with install_bridge_megatron_fsdp_cpu_patches():
+        assert FullyShardedDataParallel.__init__ is not originals[0]
+        assert adapter.DeviceMesh is not originals[1]
+    assert (FullyShardedDataParallel.__init__, adapter.DeviceMesh) == originals
 
 
 def test_install_uninstall_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,10 @@ megatron code it exists for and each reversible:
   megatron-core's probe;
 - per rank (:func:`install_bridge_cpu_patches`): ``initialize_megatron(allow_no_cuda=True)``,
   one CUDA device that ``set_device`` ignores, the dataset helpers' compile and the JIT fusion
-  warm-up skipped, and ``torch.cuda`` RNG state read from the CPU generator.
+  warm-up skipped, and ``torch.cuda`` RNG state read from the CPU generator;
+- per rank, when the config asks for Megatron-FSDP (:func:`install_bridge_megatron_fsdp_cpu_patches`):
+  :func:`~norm_optim.testing.megatron_fsdp.install_megatron_fsdp_cpu_patches`, and the CPU
+  device for the ``FullyShardedDataParallel`` that Bridge's ``get_model`` builds without one.
 
 A Bridge model for CPU uses the local (non-TE) layer spec with a sequence-parallel torch norm
 (:func:`cpu_layer_spec`) and ``RNGConfig(inference_rng_tracker=True)``; :func:`tiny_config`
@@ -44,7 +47,8 @@ from norm_optim.testing.loop_patches import (
     jit_fusion_options_patches,
     one_cuda_device_patches,
 )
-from norm_optim.testing.patching import PatchSet
+from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
+from norm_optim.testing.patching import Patch, PatchSet
 
 __all__ = [
     "RankOutput",
@@ -55,7 +59,9 @@ __all__ = [
     "cpu_rng_state_patches",
     "import_bridge",
     "install_bridge_cpu_patches",
+    "install_bridge_megatron_fsdp_cpu_patches",
     "jit_fusion_options_patches",
+    "megatron_fsdp_cpu_device_patches",
     "one_cuda_device_patches",
     "run_pretrain",
     "tiny_config",
@@ -183,6 +189,42 @@ def install_bridge_cpu_patches() -> PatchSet:
     )
 
 
+def megatron_fsdp_cpu_device_patches() -> list[Patch]:
+    """``FullyShardedDataParallel`` built on the CPU device when its caller names none.
+
+    Bridge's ``get_model`` (``models/model_provider.py``) wraps the model with megatron-core's
+    ``megatron.training.models.dist_utils._ddp_wrap``, which constructs
+    ``FullyShardedDataParallel(config=..., ddp_config=..., module=..., ...)`` without a
+    ``device``; the adapter's ``__init__`` (``distributed/fsdp/mcore_fsdp_adapter.py``) then uses
+    ``torch.device(f"cuda:{torch.cuda.current_device()}")``, which the CPU shim makes
+    ``"cuda:cpu"`` (an error). With the CPU device given, Megatron-FSDP keeps its buffers on CPU
+    as :func:`~norm_optim.testing.megatron_fsdp.build_fsdp_model` builds it.
+    """
+    import functools
+
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    init = FullyShardedDataParallel.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, device: Optional[torch.device] = None,
+                 **kwargs: Any) -> None:
+        init(self, *args, device=device or torch.device("cpu"), **kwargs)
+
+    return [Patch(FullyShardedDataParallel, "__init__", __init__)]
+
+
+@contextlib.contextmanager
+def install_bridge_megatron_fsdp_cpu_patches() -> Iterator[None]:
+    """Megatron-FSDP under Bridge's ``pretrain()`` on CPU: megatron-core's Megatron-FSDP
+    patches (:func:`~norm_optim.testing.megatron_fsdp.install_megatron_fsdp_cpu_patches`) and
+    :func:`megatron_fsdp_cpu_device_patches`, restored on exit. Also set
+    ``ddp.gradient_reduce_div_fusion=False`` (gloo has no ``PREMUL_SUM``; :func:`tiny_config`
+    does)."""
+    with install_megatron_fsdp_cpu_patches(), PatchSet.apply(megatron_fsdp_cpu_device_patches()):
+        yield
+
+
 # ---------------------------------------------------------------- a tiny model and config
 
 
@@ -206,6 +248,7 @@ def tiny_config(
     num_experts: Optional[int] = None,
     use_distributed_optimizer: bool = True,
     num_distributed_optimizer_instances: int = 1,
+    megatron_fsdp: bool = False,
     train_iters: int = 2,
     log_interval: int = 1,
     tensorboard_log_interval: Optional[int] = None,
@@ -221,7 +264,10 @@ def tiny_config(
     ``end_weight_decay``; MoE with TP needs ``add_bias_linear=False`` and sequence parallelism.
     ``lr=0`` keeps the weights where they start (Adam's update is scaled by ``lr``).
     ``tensorboard_log_interval`` defaults to ``log_interval``; ``world_size`` sets the global
-    batch size (one micro-batch of 2 per data-parallel rank).
+    batch size (one micro-batch of 2 per data-parallel rank). ``megatron_fsdp``: Megatron-FSDP
+    (``ddp.use_megatron_fsdp``, ``optim_grads_params``; Bridge turns on the distributed
+    optimizer and ``dist.use_megatron_fsdp`` itself), with ``gradient_reduce_div_fusion=False``
+    (gloo has no ``PREMUL_SUM``).
     """
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
@@ -242,6 +288,10 @@ def tiny_config(
     seq_length, micro_batch_size = 16, 2
     dp = world_size // (tp * pp)
     moe: dict[str, Any] = {}
+    fsdp: dict[str, Any] = {}
+    if megatron_fsdp:
+        fsdp = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+                    gradient_reduce_div_fusion=False)
     if num_experts:
         moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=128,
                    moe_token_dispatcher_type="allgather", moe_router_dtype="fp32",
@@ -276,7 +326,7 @@ def tiny_config(
                                   start_weight_decay=0.0, end_weight_decay=0.0),
         ddp=DistributedDataParallelConfig(
             use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances),
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances, **fsdp),
         dataset=MockGPTDatasetConfig(seq_length=seq_length, random_seed=seed,
                                      reset_attention_mask=False, reset_position_ids=False,
                                      eod_mask_loss=False, num_dataset_builder_threads=1,
@@ -326,7 +376,10 @@ def _pretrain_rank(config: Any, callbacks: Sequence[Any],
     manager.add(list(callbacks))
     manager.register("on_train_end", _flush_tensorboard)
     out = io.StringIO()
-    with install_bridge_cpu_patches():
+    fsdp = config.ddp.use_megatron_fsdp or config.dist.use_megatron_fsdp
+    with install_bridge_cpu_patches(), (
+        install_bridge_megatron_fsdp_cpu_patches() if fsdp else contextlib.nullcontext()
+    ):
         undo = before() if before is not None else None
         try:
             with contextlib.redirect_stdout(out):
@@ -348,7 +401,8 @@ def run_pretrain(
     """Run Bridge's ``pretrain(config, gpt_step.forward_step)`` on ``world_size`` CPU gloo ranks.
 
     Each rank is a forked child (:func:`~norm_optim.testing.run_ranks`) with the CPU shim and
-    :func:`install_bridge_cpu_patches`; ``before()`` runs in the rank first (e.g. an
+    :func:`install_bridge_cpu_patches` (and :func:`install_bridge_megatron_fsdp_cpu_patches`
+    when the config uses Megatron-FSDP); ``before()`` runs in the rank first (e.g. an
     integration's ``install``; what it returns is ``uninstall()``-ed after).
 
     Returns:
