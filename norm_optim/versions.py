@@ -21,6 +21,15 @@ class UntestedMegatronWarning(UserWarning):
     """The installed megatron-core is newer than any release norm_optim was tested on."""
 
 
+def distribution_version(name: str) -> str:
+    """The installed version of a distribution (``"0.6.2"``), or ``"unknown"`` (a source
+    checkout without package metadata)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 @functools.lru_cache(maxsize=None)
 def megatron_core_version() -> tuple[int, ...]:
     """The installed megatron-core release as a tuple of ints (``(0, 19, 2)``); ``()`` if unknown."""

@@ -333,7 +333,7 @@ def _pipeline_body() -> dict[str, str]:
     from megatron.core.transformer.module import Float16Module
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim.testing.models import _build_chunk, transformer_config
+    from norm_optim.testing.models import build_chunk, transformer_config
 
     errors = {}
     init_parallel(pp=2)
@@ -347,7 +347,7 @@ def _pipeline_body() -> dict[str, str]:
         use_distributed_optimizer=True, gradient_reduce_div_fusion=False)
     try:  # megatron itself, bypassing the builder's check
         FullyShardedDataParallel(config, ddp_config, Float16Module(config,
-                                 _build_chunk(SMALL, config, None)), device=torch.device("cpu"))
+                                 build_chunk(SMALL, config, None)), device=torch.device("cpu"))
     except Exception as exc:  # noqa: BLE001 - whatever megatron raises is the finding
         errors["megatron"] = f"{type(exc).__name__}: {exc}"
 

@@ -27,17 +27,17 @@ from norm_optim.testing import run_ranks
 
 
 def _skip_reason() -> str | None:
-    from norm_optim.integrations.megatron_lm import _megatron_core_version
+    from norm_optim.versions import megatron_core_version_string
 
-    version = _megatron_core_version()
+    version = megatron_core_version_string()
     try:
         from megatron.training import training
     except ImportError:
-        return (f"megatron-core {version} has no megatron.training (Megatron-LM's loop ships "
+        return (f"{version} has no megatron.training (Megatron-LM's loop ships "
                 f"in the wheel since 0.17)")
 
     if next(iter(inspect.signature(training.pretrain).parameters)) != "cfg_container":
-        return (f"megatron-core {version}: the pretrain() runner of norm_optim.testing."
+        return (f"{version}: the pretrain() runner of norm_optim.testing."
                 f"megatron_lm drives the 0.19 API (pretrain(cfg_container, ...))")
     return None
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import NormOptimError
 from ..norm import ParamNorms
+from ..versions import distribution_version
 from .common import DeferredParamsNorm, ParamsNormWithBreakdown, logged_value, write_breakdown
 from ..wrapper import NormAwareOptimizer
 
@@ -75,18 +76,9 @@ class MegatronBridgeVersionError(NormOptimError, RuntimeError):
     """Megatron-Bridge is not installed, or its loop is not the one the integration patches."""
 
 
-def _version(distribution: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(distribution)
-    except Exception:  # a source checkout without package metadata
-        return "unknown"
-
-
 def _versions() -> str:
-    return (f"megatron-bridge {_version('megatron-bridge')} on megatron-core "
-            f"{_version('megatron-core')}")
+    return (f"megatron-bridge {distribution_version('megatron-bridge')} on megatron-core "
+            f"{distribution_version('megatron-core')}")
 
 
 def _bridge_modules() -> tuple[ModuleType, ModuleType]:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import NormOptimError
 from ..norm import ParamNorms
+from ..versions import megatron_core_version_string
 from .common import DeferredParamsNorm, ParamsNormWithBreakdown, logged_value, write_breakdown
 from ..wrapper import NormAwareOptimizer
 
@@ -55,28 +56,14 @@ class MegatronLMVersionError(NormOptimError, RuntimeError):
     """This megatron-core has no Megatron-LM loop, or not the one the integration patches."""
 
 
-def _megatron_core_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:  # a source checkout without package metadata
-        try:
-            from megatron.core.package_info import __version__
-
-            return str(__version__)
-        except ImportError:
-            return "unknown"
-
-
 def _training_module() -> ModuleType:
     """``megatron.training.training``, checked to have what :func:`install` patches."""
-    found = _megatron_core_version()
+    found = megatron_core_version_string()
     try:
         from megatron.training import training
     except ImportError as exc:
         raise MegatronLMVersionError(
-            f"megatron-core {found} has no megatron.training (Megatron-LM's training loop): the "
+            f"{found} has no megatron.training (Megatron-LM's training loop): the "
             f"wheel ships it since 0.17. Upgrade megatron-core, or run from a Megatron-LM "
             f"checkout; with megatron-core alone, wrap the optimizer yourself "
             f"(NormAwareOptimizer(optimizer, model=model_chunks)). Import error: {exc}"
@@ -88,7 +75,7 @@ def _training_module() -> ModuleType:
                    if name not in params]
     if missing:
         raise MegatronLMVersionError(
-            f"megatron.training.training of megatron-core {found} has no {', '.join(missing)}; "
+            f"megatron.training.training of {found} has no {', '.join(missing)}; "
             f"norm_optim's Megatron-LM integration knows the loop of megatron-core 0.17 to 0.19. "
             f"Wrap the optimizer yourself (NormAwareOptimizer(optimizer, model=model_chunks)) "
             f"and log optimizer.param_l2_norm() on every rank at log intervals."

@@ -125,7 +125,7 @@ def build_fsdp_model(
 
     from norm_optim.testing.models import (
         TinyGPTConfig,
-        _build_chunk,
+        build_chunk,
         _matching_params,
         transformer_config,
     )
@@ -143,7 +143,7 @@ def build_fsdp_model(
     cfg = cfg if cfg is not None else TinyGPTConfig()
     init_rng(seed)
     config = transformer_config(cfg)
-    gpt = _build_chunk(cfg, config, None)
+    gpt = build_chunk(cfg, config, None)
     for param in _matching_params(gpt, freeze):
         param.requires_grad_(False)
     model: torch.nn.Module = Float16Module(config, gpt) if cfg.bf16 else gpt

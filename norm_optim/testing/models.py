@@ -19,7 +19,7 @@ import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
 
-__all__ = ["TinyGPTConfig", "build_model", "build_optimizer", "train_step", "transformer_config",
+__all__ = ["TinyGPTConfig", "build_chunk", "build_model", "build_optimizer", "train_step", "transformer_config",
            "unwrap_gpt"]
 
 
@@ -112,7 +112,9 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
     )
 
 
-def _build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch.nn.Module:
+def build_chunk(cfg: TinyGPTConfig, config: Any, vp_stage: int | None) -> torch.nn.Module:
+    """One model chunk (GPTModel or HybridModel, no DDP / Float16Module) of ``cfg`` for the
+    current layout and virtual stage ``vp_stage``."""
     from megatron.core import parallel_state as ps
 
     stage = dict(
@@ -269,7 +271,7 @@ def build_model(
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for index, vp_stage in enumerate(range(vpp) if vpp else [None]):
-        gpt = _build_chunk(cfg, config, vp_stage)
+        gpt = build_chunk(cfg, config, vp_stage)
         for param in _matching_params(gpt, freeze):
             param.requires_grad_(False)
         model: torch.nn.Module = Float16Module(config, gpt) if cfg.bf16 else gpt
