@@ -72,3 +72,12 @@ def write_breakdown(norms: ParamNorms, iteration: int, tensorboard: Any, wandb: 
             tensorboard.add_scalar(tag, float(value), iteration)
         if wandb is not None:
             wandb.log({tag: float(value)}, iteration)
+
+
+def is_loop_model(model: Any, chunks: Optional[list[Any]]) -> bool:
+    """Whether ``model`` (a chunk or a list of them) is exactly the loop's model ``chunks``:
+    the deferred norm stands for the wrapped optimizer's model, and no other."""
+    given = model if isinstance(model, list) else [model]
+    return chunks is not None and len(given) == len(chunks) and all(
+        a is b for a, b in zip(given, chunks)
+    )

@@ -52,7 +52,13 @@ from typing import Any, Callable, Optional
 from ..errors import NormOptimError
 from ..norm import ParamNorms
 from ..versions import distribution_version
-from .common import DeferredParamsNorm, ParamsNormWithBreakdown, logged_value, write_breakdown
+from .common import (
+    DeferredParamsNorm,
+    ParamsNormWithBreakdown,
+    is_loop_model,
+    logged_value,
+    write_breakdown,
+)
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
@@ -296,10 +302,7 @@ class MegatronBridgeIntegration:
     def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if self.optimizer is None:  # no optimizer to read: Bridge's own function
             return self._original("calc_params_l2_norm")(model, *args, **kwargs)
-        chunks = model if isinstance(model, list) else [model]
-        if self.model is None or len(chunks) != len(self.model) or any(
-            a is not b for a, b in zip(chunks, self.model)
-        ):
+        if not is_loop_model(model, self.model):
             raise NormOptimError(
                 "calc_params_l2_norm was called with a model that setup_optimizer was not "
                 "given; norm_optim's Megatron-Bridge integration serves the training loop's "
