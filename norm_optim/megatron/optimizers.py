@@ -15,7 +15,7 @@ class, never a guess.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 

@@ -9,7 +9,6 @@ builds the same logical model on every layout. On CPU, install the shim first
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
