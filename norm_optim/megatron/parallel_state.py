@@ -42,17 +42,17 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
         return RankCoords()
     # Since 0.19 the DP getters include the GTP weight-remat axis by default; the
     # distributed optimizer shards (and replicas are told apart) over the group without it.
-    replicate = _without_gtp_remat
-    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True, **replicate(ps))
+    replicate = _without_gtp_remat(ps)
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True, **replicate)
     expert_dp_group = ps.get_expert_data_parallel_group(
-        check_initialized=False, **replicate(ps)
+        check_initialized=False, **replicate
     )
     tp_size = ps.get_tensor_model_parallel_world_size()
     return RankCoords(
         tp=ps.get_tensor_model_parallel_rank(),
         expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
-        dp_cp=ps.get_data_parallel_rank(with_context_parallel=True, **replicate(ps)),
-        expert_dp=ps.get_expert_data_parallel_rank(**replicate(ps)),
+        dp_cp=ps.get_data_parallel_rank(with_context_parallel=True, **replicate),
+        expert_dp=ps.get_expert_data_parallel_rank(**replicate),
         dp_cp_first=comm.first_rank(dp_cp_group),
         expert_dp_first=comm.first_rank(expert_dp_group),
         gtp=_gtp_rank(ps, "get_gtp_weight_remat_group", comm),
@@ -60,8 +60,8 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
         experts_need_model=ps.get_expert_model_parallel_world_size() == 1
         and (
             (ps.get_expert_tensor_parallel_world_size() or tp_size) != tp_size
-            or ps.get_expert_data_parallel_world_size(**replicate(ps))
-            != ps.get_data_parallel_world_size(with_context_parallel=True, **replicate(ps))
+            or ps.get_expert_data_parallel_world_size(**replicate)
+            != ps.get_data_parallel_world_size(with_context_parallel=True, **replicate)
         ),
     )
 
@@ -117,10 +117,15 @@ def _without_gtp_remat(ps: Any) -> dict[str, bool]:
     return {"with_gtp_remat": False} if takes else {}
 
 
+def _gtp_group(ps: Any, getter: str) -> Any:
+    """A GTP weight-remat group (megatron-core >= 0.19), or None where megatron has none."""
+    get_group = getattr(ps, getter, None)
+    return get_group(check_initialized=False) if get_group is not None else None
+
+
 def _gtp_rank(ps: Any, getter: str, comm: Communicator) -> int:
     """This rank's place in a GTP weight-remat group (0 where megatron has none)."""
-    get_group = getattr(ps, getter, None)
-    return _rank_or_zero(comm, get_group(check_initialized=False) if get_group else None)
+    return _rank_or_zero(comm, _gtp_group(ps, getter))
 
 
 def _rank_or_zero(comm: Communicator, group: Any) -> int:
@@ -150,7 +155,8 @@ def check_reduce_group(comm: Communicator, group: object, pg_collection: object 
             ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_expert_model_parallel_group(check_initialized=False),
             ps.get_expert_data_parallel_group(check_initialized=False),
-            getattr(ps, "get_gtp_weight_remat_group", lambda **_: None)(check_initialized=False),
+            _gtp_group(ps, "get_gtp_weight_remat_group"),
+            _gtp_group(ps, "get_expert_gtp_weight_remat_group"),
         ]
     held = set().union(*(comm.group_ranks(g) for g in groups if g is not None))
     missing = sorted(held - comm.group_ranks(group))
