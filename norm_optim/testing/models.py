@@ -362,12 +362,14 @@ def train_step(
     seed: int = 0,
     micro_batch_size: int = 2,
     num_microbatches: int | None = None,
+    losses: list[torch.Tensor] | None = None,
 ) -> tuple[bool, float | None, int | None]:
     """One real training iteration on random tokens: megatron's pipeline schedule (forward and
     backward, ``finalize_model_grads``), then ``optimizer.step()``.
 
     Every rank draws the same tokens from ``seed``. ``num_microbatches`` defaults to the
-    pipeline size (the interleaved schedule needs a multiple of it).
+    pipeline size (the interleaved schedule needs a multiple of it). ``losses``, if given, gets
+    each micro-batch's loss appended (on the last pipeline stage; other stages have none).
 
     Returns:
         ``optimizer.step()``'s ``(update_successful, grad_norm, num_zeros_in_grad)``.
@@ -390,7 +392,7 @@ def train_step(
     for chunk in model_chunks:
         getattr(chunk, "zero_grad_buffer")()  # megatron DDP's, not a torch.nn.Module method
     optimizer.zero_grad()
-    get_forward_backward_func()(
+    reduced = get_forward_backward_func()(
         forward_step_func=_forward_step,
         data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
         model=model_chunks,
@@ -399,6 +401,8 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
+    if losses is not None:
+        losses.extend(step["lm loss"] for step in reduced)
     return optimizer.step()
 
 
