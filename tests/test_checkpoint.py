@@ -16,7 +16,8 @@ rank. Values are exact in bf16, so the fp32 mains equal the bf16 values after fi
 
 What does not run on CPU with megatron-core 0.16.1, and why (``test_unsupported_*`` pins it):
 
-- ``torch_dist`` save in a ``run_ranks`` rank needs two test-only changes (``_allow_sync_save``):
+- ``torch_dist`` save in a ``run_ranks`` rank needs two test-only changes
+  (``norm_optim.testing.loop_patches.torch_dist_save_patches``):
   1. The rank must not be daemonic: ``FileSystemWriterAsync`` starts a ``spawn`` Manager for its
      results queue and forks one writer process per file, and a daemonic process
      (``run_ranks`` starts ranks with ``daemon=True``) raises ``AssertionError: daemonic
@@ -49,7 +50,9 @@ import pytest
 
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step, unwrap_gpt
+from norm_optim.testing.loop_patches import torch_dist_save_patches
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
+from norm_optim.testing.patching import PatchSet
 from layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 1, 2
@@ -60,31 +63,6 @@ LAYOUTS = {
     "tp2-dp2": Layout(4, SMALL, tp=2),
     "moe-ep2-dp2": Layout(4, SMALL_MOE, ep=2),
 }
-
-
-def _allow_sync_save() -> None:
-    """Let megatron's synchronous ``torch_dist`` save run inside a ``run_ranks`` rank (see the
-    module docstring for why each line is needed). The rank is a fresh process: nothing to undo."""
-    import multiprocessing
-    import multiprocessing.queues
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    class SynchronousQueue(multiprocessing.queues.SimpleQueue):
-        """``put`` writes to the pipe before returning, as the Manager queue's does: a plain
-        ``Queue`` hands it to a feeder thread, and megatron's ``get_nowait`` right after the put
-        then found it empty now and then ("results_queue should not be empty")."""
-
-        def get_nowait(self) -> Any:
-            if self.empty():
-                raise queue.Empty
-            return self.get()
-
-    multiprocessing.current_process().daemon = False  # the writer forks one process per file
-    filesystem_async._results_queue = SynchronousQueue(ctx=multiprocessing.get_context("fork"))
-    if not filesystem_async.HAVE_PSUTIL:
-        filesystem_async._process_memory = lambda: 0
 
 
 def _sharded_state_dict(chunks: list, optimizer: Any, sharding: str | None,
@@ -104,7 +82,8 @@ def _save_load_body(directory: str, layout: Layout, sharding: str | None) -> dic
 
     from norm_optim import NormAwareOptimizer
 
-    _allow_sync_save()
+    # The rank is a fresh process: nothing to undo.
+    PatchSet.apply(torch_dist_save_patches())
     init_parallel(**layout.parallel())
     chunks = build_model(layout.cfg, use_distributed_optimizer=True, seed=5)
     inner = build_optimizer(chunks, lr=1e-2)

@@ -23,6 +23,7 @@ __all__ = [
     "cpu_rng_state_patches",
     "jit_fusion_options_patches",
     "one_cuda_device_patches",
+    "torch_dist_save_patches",
 ]
 
 
@@ -88,3 +89,41 @@ def jit_fusion_options_patches(module: ModuleType) -> list[Patch]:
     bias-dropout-add kernels (off on CPU anyway) builds inputs with ``torch.rand(...,
     device="cuda")``, which the shim does not route."""
     return [Patch(module, "set_jit_fusion_options", lambda *args, **kwargs: None)]
+
+
+def torch_dist_save_patches() -> list[Patch]:
+    """Let megatron's synchronous ``torch_dist`` checkpoint save run in a ``run_ranks`` rank
+    (any ``dist_checkpointing.save``, with or without a training loop).
+
+    ``FileSystemWriterAsync`` (megatron/core/dist_checkpointing/strategies/filesystem_async.py)
+    forks one writer process per file, which a daemonic process (``run_ranks`` ranks are) may
+    not do; it collects their results through a ``spawn`` Manager queue, whose server outlives a
+    rank that is killed (and costs ~3 s per save): a ``fork`` queue whose ``put`` is
+    synchronous stands in for it (megatron's ``get_nowait`` right after the put must see it).
+    Without ``psutil`` every writer raises in ``_process_memory()`` outside its ``try`` and the
+    save hangs: it is stubbed then.
+    """
+    import multiprocessing
+    import multiprocessing.queues
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    class SynchronousQueue(multiprocessing.queues.SimpleQueue):
+        """``put`` writes to the pipe before returning, as the Manager queue's does: a plain
+        ``Queue`` hands it to a feeder thread, and megatron's ``get_nowait`` right after the put
+        then found it empty now and then ("results_queue should not be empty")."""
+
+        def get_nowait(self) -> Any:
+            if self.empty():
+                raise queue.Empty
+            return self.get()
+
+    patches = [
+        Patch(multiprocessing.current_process(), "daemon", False),
+        Patch(filesystem_async, "_results_queue",
+              SynchronousQueue(ctx=multiprocessing.get_context("fork"))),
+    ]
+    if not filesystem_async.HAVE_PSUTIL:
+        patches.append(Patch(filesystem_async, "_process_memory", lambda: 0))
+    return patches

@@ -53,6 +53,7 @@ from norm_optim.testing.loop_patches import (
     cpu_rng_state_patches,
     jit_fusion_options_patches,
     one_cuda_device_patches,
+    torch_dist_save_patches,
 )
 from norm_optim.testing.patching import Patch, patches_applied
 
@@ -68,7 +69,6 @@ __all__ = [
     "recording_tensorboard_patches",
     "sequence_parallel_norm_layer_spec",
     "tiny_gpt_args",
-    "torch_dist_save_patches",
 ]
 
 # Megatron-LM flags that keep the loop off CUDA-only code (fused kernels, TE, apex, torch.compile
@@ -89,39 +89,6 @@ CPU_FLAGS: tuple[str, ...] = (
 
 # ------------------------------------------------------------------ generic loop patches
 # Needed by any Megatron training loop built on megatron-core (Megatron-LM's, Megatron-Bridge's).
-
-
-def torch_dist_save_patches() -> list[Patch]:
-    """Let megatron's synchronous ``torch_dist`` checkpoint save run in a ``run_ranks`` rank.
-
-    ``FileSystemWriterAsync`` (megatron/core/dist_checkpointing/strategies/filesystem_async.py)
-    forks one writer process per file, which a daemonic process (``run_ranks`` ranks are) may
-    not do; it collects their results through a ``spawn`` Manager queue, whose server outlives a
-    rank that is killed (and costs ~3 s per save): a ``fork`` queue whose ``put`` is
-    synchronous stands in for it (megatron's ``get_nowait`` right after the put must see it).
-    Without ``psutil`` every writer raises in ``_process_memory()`` outside its ``try`` and the
-    save hangs: it is stubbed then.
-    """
-    import multiprocessing
-    import multiprocessing.queues
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    class SynchronousQueue(multiprocessing.queues.SimpleQueue):
-        def get_nowait(self) -> Any:
-            if self.empty():
-                raise queue.Empty
-            return self.get()
-
-    patches = [
-        Patch(multiprocessing.current_process(), "daemon", False),
-        Patch(filesystem_async, "_results_queue",
-              SynchronousQueue(ctx=multiprocessing.get_context("fork"))),
-    ]
-    if not filesystem_async.HAVE_PSUTIL:
-        patches.append(Patch(filesystem_async, "_process_memory", lambda: 0))
-    return patches
 
 
 def cpu_loop_patches() -> list[Patch]:
