@@ -123,6 +123,17 @@ LAYOUTS = {
 }
 
 
+def _assert_logged_norm(tmp_path: Path, ranks: list, expected: float) -> None:
+    """What Bridge's loop logged at every iteration: the TensorBoard ``params-norm`` to 1e-6,
+    and the printed ``params norm`` to its 3 decimals."""
+    written = _tensorboard(tmp_path / "tb", "params-norm")
+    assert sorted(written) == list(range(1, ITERATIONS + 1))
+    for value in written.values():
+        assert value == pytest.approx(expected, rel=1e-6)
+    printed = [float(m.group(1)) for line in ranks[-1].lines if (m := _PRINTED.search(line))]
+    assert printed == [pytest.approx(expected, abs=5e-4)] * ITERATIONS
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_logged_params_norm_is_exact(name: str, world1_shapes: dict[str, Any],
                                      tmp_path: Path) -> None:
@@ -132,12 +143,7 @@ def test_logged_params_norm_is_exact(name: str, world1_shapes: dict[str, Any],
     expected, _, _ = _oracle(world1_shapes[kind])
     ranks = _run(tmp_path, world, **layout)
 
-    written = _tensorboard(tmp_path / "tb", "params-norm")
-    assert sorted(written) == list(range(1, ITERATIONS + 1))
-    for value in written.values():
-        assert value == pytest.approx(expected, rel=1e-6)
-    printed = [float(m.group(1)) for line in ranks[-1].lines if (m := _PRINTED.search(line))]
-    assert printed == [pytest.approx(expected, abs=5e-4)] * ITERATIONS
+    _assert_logged_norm(tmp_path, ranks, expected)
     # Bridge's own function agrees on these layouts (float32 sums: to ~1e-6).
     for bridge in ranks[-1].user_state["bridge"]:
         assert bridge == pytest.approx(expected, rel=1e-5)
@@ -181,12 +187,7 @@ def test_megatron_fsdp(name: str, world1_shapes: dict[str, Any], tmp_path: Path)
     expected, _, _ = _oracle(world1_shapes["moe" if moe else "dense"])
     ranks = _run(tmp_path, world, megatron_fsdp=True, **layout)
 
-    written = _tensorboard(tmp_path / "tb", "params-norm")
-    assert sorted(written) == list(range(1, ITERATIONS + 1))
-    for value in written.values():
-        assert value == pytest.approx(expected, rel=1e-6)
-    printed = [float(m.group(1)) for line in ranks[-1].lines if (m := _PRINTED.search(line))]
-    assert printed == [pytest.approx(expected, abs=5e-4)] * ITERATIONS
+    _assert_logged_norm(tmp_path, ranks, expected)
     bridge = [rank.user_state["bridge"][-1] for rank in ranks]
     print(f"\nMegatron-FSDP {name}: norm_optim {expected:.6f}, Bridge's calc_params_l2_norm "
           f"on ranks 0..{world - 1}: {', '.join(f'{b:.6f}' for b in bridge)}")
