@@ -12,11 +12,13 @@ from .errors import NormOptimError, ParallelStateError, UnknownParamError, Unsup
 from .norm import ParamNorms, PendingNorms
 from .ownership import RankCoords
 from .registry import ParamRecord, ParamRegistry
+from .vocabulary import NotCounted, Source
 from .wrapper import NormAwareOptimizer
 
 __all__ = [
     "Communicator",
     "NormAwareOptimizer",
+    "NotCounted",
     "NormOptimError",
     "ParallelStateError",
     "ParamNorms",
@@ -24,9 +26,10 @@ __all__ = [
     "ParamRegistry",
     "PendingNorms",
     "RankCoords",
+    "Source",
     "TorchCommunicator",
     "UnknownParamError",
     "UnsupportedOptimizerError",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
