@@ -36,8 +36,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import torch
-
 from .vocabulary import NotCounted
 
 
@@ -77,20 +75,18 @@ class RankCoords:
 
 
 def why_not_counted(
-    param: torch.Tensor,
     *,
     expert: bool,
     tp_split: bool,
     replicated: bool,
     coords: RankCoords,
+    tied_copy: bool,
     shard_group: Optional[frozenset[int]] = None,
     gtp_sharded: bool = False,
-    tied_copy: Optional[bool] = None,
 ) -> Optional[NotCounted]:
-    """The reason this rank must not count ``param``'s tensor, or None if it counts it.
+    """The reason this rank must not count a param's tensor, or None if it counts it.
 
     Args:
-        param: the model param (its TP and ``shared`` attributes decide duplicates).
         expert: whether the param lives in an expert layer (split by expert-TP, replicated over
             expert-DP), whichever optimizer holds it.
         tp_split: whether the (expert-)TP group splits the param; if not, TP ranks other than 0
@@ -103,10 +99,10 @@ def why_not_counted(
             group, each holding a full set of shards; the one holding its first rank counts.
         gtp_sharded: whether the (expert) GTP weight-remat group shards the param; if not, GTP
             ranks other than 0 hold copies.
-        tied_copy: whether the param is a copy of a tied weight counted elsewhere (default:
-            megatron's ``shared`` marker).
+        tied_copy: whether the param is a copy of a tied weight counted elsewhere (megatron's
+            ``shared``, or an output weight tying leaves unused).
     """
-    if tied_copy if tied_copy is not None else getattr(param, "shared", False):
+    if tied_copy:
         return NotCounted.SHARED
     tp_rank = coords.expert_tp if expert else coords.tp
     if not tp_split and tp_rank != 0:

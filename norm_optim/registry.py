@@ -263,7 +263,6 @@ def _record(
         reason = NotCounted.SHARED if traits.tied_copy else NotCounted.HELD_ELSEWHERE
     else:
         reason = why_not_counted(
-            param,
             expert=traits.expert,
             tp_split=traits.tp_split,
             replicated=holding.replicated,

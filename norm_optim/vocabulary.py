@@ -37,11 +37,6 @@ class Source(_Word):
         """Whether the param is in no optimizer (counted only with ``count_frozen``)."""
         return self in (Source.FROZEN, Source.FROZEN_SHARD)
 
-    @property
-    def is_part(self) -> bool:
-        """Whether the tensor is a part of the param (a shard), not all of it."""
-        return self.value.endswith("shard")
-
 
 class NotCounted(_Word):
     """Why a rank does not add a param's tensor to the norm (another rank does, or nobody)."""

@@ -15,7 +15,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..comm import Communicator
-from ..kernels import RemainderMaster, Summand
+from ..kernels import Summand
+from ..kernels.remainders import flat_slice
 from .fsdp import model_param
 
 
@@ -101,11 +102,7 @@ def without_padding(tensor: Summand, offset: int, param: torch.Tensor, padding: 
     if padding == 0:
         return tensor
     keep = min(max(param.numel() - padding - offset, 0), tensor.numel())
-    if keep == tensor.numel():
-        return tensor
-    if isinstance(tensor, RemainderMaster):
-        return RemainderMaster(tensor.param.view(-1)[:keep], tensor.remainder.view(-1)[:keep])
-    return tensor.view(-1)[:keep]
+    return tensor if keep == tensor.numel() else flat_slice(tensor, 0, keep)
 
 
 def expert_param_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
