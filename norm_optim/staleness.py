@@ -46,16 +46,18 @@ class Staleness:
         return self._recorded is None or self._recorded != (self._latest, self._where_watched())
 
     def record(self, registry: ParamRegistry) -> None:
-        """Remember the state ``registry`` was built from (reusing the check's fingerprint)."""
+        """Remember the state ``registry`` was built from (reusing the fingerprint of the
+        :meth:`is_stale` call that led to its build)."""
         frozen = [r.param for r in registry.counted if r.source is Source.FROZEN]
         # No optimizer holds frozen params: Module.to() or an offloaded model swaps their data.
         self._watched = tuple(frozen[:1] + frozen[-1:])
         optimizer_print = self._latest if self._latest is not None else fingerprint(self._optimizer)
         self._recorded = (optimizer_print, self._where_watched())
 
-    def forget(self) -> None:
-        """Mark stale: the optimizer is known to have replaced its tensors."""
-        self._recorded = None
+    @property
+    def recorded_before(self) -> bool:
+        """Whether a registry was ever recorded (False until the first build)."""
+        return self._recorded is not None
 
     def _where_watched(self) -> tuple:
         return tuple(map(where, self._watched))

@@ -153,7 +153,8 @@ class NormAwareOptimizer:
     def _current_reducer(self) -> NormReducer:
         # Rebuild only when the optimizer replaced its tensors (see norm_optim.staleness).
         state = self._state
-        if state.reducer is None or state.staleness.is_stale():
+        # is_stale() first: it also takes the fingerprint that record() below keeps.
+        if state.staleness.is_stale() or state.reducer is None:
             registry = ParamRegistry(
                 state.optimizer,
                 state.model,
@@ -161,7 +162,8 @@ class NormAwareOptimizer:
                 comm=state.comm,
                 count_frozen=state.count_frozen,
             )
-            first_build = state.reducer is None and state.names is None
+            # The kernels' one-time costs are paid at the first build, not at every rebuild.
+            first_build = not state.staleness.recorded_before
             self._drop_reducer()  # keeps the gathered per-param names
             state.reducer = NormReducer(
                 registry, state.comm, state.group, state.names, warm_up=first_build

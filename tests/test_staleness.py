@@ -235,3 +235,32 @@ def test_frozen_params_whose_data_is_replaced_are_followed() -> None:
     model.expert_norm.data = model.expert_norm.data * 10.0
     counted = [p for n, p in model.named_parameters() if n != "tied_copy"]
     assert float(optimizer.param_l2_norm()) == pytest.approx(oracle(counted), rel=1e-7)
+
+
+@single_process
+def test_a_replacement_costs_one_rebuild_and_no_second_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the wrapper drops its registry (here: new param-group lists through the setter),
+    the next call rebuilds once and records the optimizer as it is now: the call after it must
+    not rebuild again. The kernels are warmed up at the first build only."""
+    import norm_optim.wrapper as wrapper
+
+    warm_ups: list[bool] = []
+    reducer_class = wrapper.NormReducer
+
+    def recording_reducer(*args: Any, warm_up: bool, **kwargs: Any) -> Any:
+        warm_ups.append(warm_up)
+        return reducer_class(*args, warm_up=warm_up, **kwargs)
+
+    monkeypatch.setattr(wrapper, "NormReducer", recording_reducer)
+    model = TinyMoE()
+    inner = float16_optimizer(model)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    expected = float(optimizer.param_l2_norm())
+    optimizer.param_groups = [{**g, "params": list(g["params"])} for g in inner.param_groups]
+    assert float(optimizer.param_l2_norm()) == pytest.approx(expected, rel=1e-7)
+    rebuilt = optimizer.registry
+    assert float(optimizer.param_l2_norm()) == pytest.approx(expected, rel=1e-7)
+    assert optimizer.registry is rebuilt
+    assert warm_ups == [True, False]
