@@ -3,7 +3,8 @@
 #   make test    the test suite
 # Both run on megatron-core 0.16.1 (Python 3.11, the newest release it supports). The same on the
 # newest megatron-core (Python >= 3.12): make train-latest / make test-latest; Megatron-Bridge's
-# pretrain() tests, in an environment of their own: make test-bridge.
+# pretrain() tests, in an environment of their own: make test-bridge. The other release lines:
+# make test-0.14, test-0.15, test-0.17, test-0.18; megatron-core main: make test-main.
 PYTHON ?= python3
 VENV   ?= .venv
 MCORE  ?= megatron-core==0.16.1
@@ -24,12 +25,46 @@ LATEST := PYTHON="$(PYTHON_LATEST)" VENV=.venv-latest MCORE="$(MCORE_LATEST)"
 # `import megatron.core`, so it must not go into .venv-latest. `pip install megatron-bridge` fails
 # on a CPU machine (a source-only dependency downloads a binary; megatron-core[dev] pins a release
 # the registry lacks): Bridge goes in with --no-deps, then what its pretraining path needs (the
-# bridge-test extra), on a copy of .venv-latest (torch and megatron-core already in it; the
-# copy is run only through its bin/python, which is what makes it safe to move).
+# bridge-test extra), on a copy of .venv-latest (torch and megatron-core already in it).
 BRIDGE_VENV  ?= .venv-bridge
 BRIDGE_STAMP := $(BRIDGE_VENV)/.norm_optim-installed
 
+# Every other minor release line, each a CI leg (make test-0.14 ...): the newest patch of the
+# line, in a copy of the environment of its Python (.venv: 3.11, up to 0.16; .venv-latest: 3.12,
+# which 0.17 and later need) with megatron-core swapped, so torch is installed once per Python.
+# LEG_TESTS is what these legs run (README, "Supported megatron-core versions").
+LINES      := 0.14 0.15 0.17 0.18
+MCORE_0.14 := 0.14.0
+MCORE_0.15 := 0.15.3
+MCORE_0.17 := 0.17.1
+MCORE_0.18 := 0.18.2
+BASE_0.14  := .venv
+BASE_0.15  := .venv
+BASE_0.17  := .venv-latest
+BASE_0.18  := .venv-latest
+LEG_TESTS  ?= tests
+
+# megatron-core main (the 0.20 line, what users of a Megatron-LM checkout run), in a copy of
+# .venv-latest: by default the wheel of main next to the project (../shared/megatron-main/), or
+# any megatron-core source: MCORE_MAIN=path/to/Megatron-LM (a checkout) or a wheel. It is
+# reinstalled when MCORE_MAIN changes or holds a file newer than the last install.
+MCORE_MAIN ?= $(lastword $(sort $(wildcard ../shared/megatron-main/megatron_core-*.whl)))
+MAIN_VENV  ?= .venv-main
+MAIN_STAMP := $(MAIN_VENV)/.norm_optim-installed
+MAIN_FROM  := $(MAIN_VENV)/.megatron-core-source
+
+# $(call copy-env,BASE,NEW): NEW becomes a copy of the environment BASE (.venv or .venv-latest,
+# made first). Hard links where the file system has them (seconds, no second 5 GB): pip unlinks
+# a file before it writes one, so installing into the copy never changes BASE. The copy is run
+# only through its bin/python, which is what makes it safe to move.
+define copy-env
+	$(MAKE) setup $(if $(filter .venv-latest,$(1)),$(LATEST))
+	rm -rf $(2)
+	cp -al $(1) $(2) 2>/dev/null || { rm -rf $(2) && cp -a $(1) $(2); }
+endef
+
 .PHONY: train test bench setup train-latest test-latest bench-latest test-bridge
+.PHONY: $(LINES:%=test-%) test-main mcore-main
 
 setup: $(STAMP)
 
@@ -53,8 +88,7 @@ train-latest test-latest bench-latest:
 	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)'
 
 $(BRIDGE_STAMP): setup.cfg pyproject.toml
-	$(MAKE) setup $(LATEST)
-	rm -rf $(BRIDGE_VENV) && cp -a .venv-latest $(BRIDGE_VENV)
+	$(call copy-env,.venv-latest,$(BRIDGE_VENV))
 	$(BRIDGE_VENV)/bin/python -m pip install -q --no-deps megatron-bridge==0.6.2
 	$(BRIDGE_VENV)/bin/python -m pip install -q -e ".[test,bridge-test]"
 	touch $(BRIDGE_STAMP)
@@ -62,3 +96,31 @@ $(BRIDGE_STAMP): setup.cfg pyproject.toml
 # Megatron-Bridge's real pretrain() on CPU ranks (tests/test_megatron_bridge.py skips elsewhere).
 test-bridge: $(BRIDGE_STAMP)
 	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py $(ARGS)
+
+$(LINES:%=.venv-%/.norm_optim-installed): .venv-%/.norm_optim-installed: setup.cfg pyproject.toml
+	$(call copy-env,$(BASE_$*),.venv-$*)
+	.venv-$*/bin/python -m pip install -q --no-deps megatron-core==$(MCORE_$*)
+	touch $@
+
+$(LINES:%=test-%): test-%: .venv-%/.norm_optim-installed
+	.venv-$*/bin/python -m pytest -q $(LEG_TESTS) $(ARGS)
+
+$(MAIN_STAMP): setup.cfg pyproject.toml
+	$(call copy-env,.venv-latest,$(MAIN_VENV))
+	touch $@
+
+test-main:
+	@test -n "$(MCORE_MAIN)" || { echo "make test-main: no wheel in ../shared/megatron-main/;" \
+	  "point MCORE_MAIN at a megatron-core source (a Megatron-LM checkout or a wheel)" >&2; exit 2; }
+	$(MAKE) $(MAIN_STAMP)
+	@if [ "$$(cat $(MAIN_FROM) 2>/dev/null)" != "$(MCORE_MAIN)" ] \
+	    || [ -n "$$(find "$(MCORE_MAIN)" -newer $(MAIN_FROM) -print -quit)" ]; then \
+	  echo "installing megatron-core from $(MCORE_MAIN) into $(MAIN_VENV)"; \
+	  $(MAIN_VENV)/bin/python -m pip install -q --no-deps --force-reinstall "$(MCORE_MAIN)" \
+	    && echo "$(MCORE_MAIN)" > $(MAIN_FROM); \
+	fi
+	$(MAIN_VENV)/bin/python -m pytest -q $(ARGS)
+
+# What make test-main installs (empty: nothing found; .ci/run then skips it).
+mcore-main:
+	@echo "$(MCORE_MAIN)"

@@ -171,7 +171,8 @@ def use_precision_aware_standin() -> Iterator[None]:
 
     patches = pytest_monkeypatch()
     patches.setattr(mo, "Adam", PrecisionAwareAdamStandIn)
-    patches.setattr(mo, "USING_PYTORCH_OPTIMIZER", False)
+    if hasattr(mo, "USING_PYTORCH_OPTIMIZER"):  # since megatron-core 0.15 (0.14: Adam alone)
+        patches.setattr(mo, "USING_PYTORCH_OPTIMIZER", False)
     patches.setattr(mo, "is_te_min_version", lambda *args, **kwargs: True)
     patches.setattr(do, "Adam", PrecisionAwareAdamStandIn)
     try:

@@ -192,6 +192,8 @@ def test_ep1_experts_need_the_model_when_expert_groups_differ() -> None:
 def _pg_collection(**groups: object) -> object:
     """A real megatron ``ProcessGroupCollection`` with only ``groups`` set (placeholders: one
     process without torch.distributed never reads a group)."""
+    if not megatron_at_least(0, 15):
+        pytest.skip("ProcessGroupCollection exists since megatron-core 0.15")
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     collection = ProcessGroupCollection()

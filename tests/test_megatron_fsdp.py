@@ -248,10 +248,16 @@ def _megatron_version() -> tuple[int, ...]:
     return tuple(int(part) for part in package_info.__version__.split("+")[0].split(".")[:2])
 
 
+# Every test that builds a Megatron-FSDP model.
+BUILDS_FSDP = pytest.mark.skipif(
+    _megatron_version() < (0, 15),
+    reason="Megatron-FSDP of megatron-core 0.14 reads torch's _MeshEnv.child_to_root_mapping "
+           "(megatron_fsdp/utils.py get_mesh_names), which this torch no longer has")
 FROZEN_BEFORE_0_17 = ("Megatron-FSDP of megatron-core < 0.17 cannot build a model with frozen "
                       "params (test_megatron_0_16_fsdp_cannot_freeze pins it)")
 
 
+@BUILDS_FSDP
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
     layout = LAYOUTS[name]
@@ -281,15 +287,22 @@ def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
     assert sum(r["counted_numel"] for r in results) == numel
 
 
+def _needs_megatron_training() -> None:
+    from norm_optim.versions import megatron_core_version_string
+
+    pytest.importorskip("megatron.training", reason=f"{megatron_core_version_string()} ships no "
+                        "megatron.training (Megatron-LM's calc_params_l2_norm; since 0.17)")
+
+
 EP_LAYOUTS = [n for n, layout in LAYOUTS.items() if layout.ep > 1]
 
 
+@BUILDS_FSDP
 @pytest.mark.parametrize("name", EP_LAYOUTS)
 def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
     """The same run: Megatron-LM's ``calc_params_l2_norm`` under Megatron-FSDP sums each EP
     rank's own experts only (the expert mesh has no EP axis); norm_optim is exact there."""
-    pytest.importorskip("megatron.training", reason="megatron-core 0.16.1 ships no "
-                        "megatron.training (Megatron-LM's calc_params_l2_norm)")
+    _needs_megatron_training()
     layout = LAYOUTS[name]
     expected = _oracle(layout.cfg, layout.freeze, SEED_A)["total"]
     results = _run(name)
@@ -298,16 +311,17 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
         assert got["megatron"] != pytest.approx(expected, rel=1e-3)
 
 
+@BUILDS_FSDP
 def test_megatron_calc_params_l2_norm_is_exact_on_dense() -> None:
     """For fairness: without experts Megatron's DTensor walk is exact too (same run)."""
-    pytest.importorskip("megatron.training", reason="megatron-core 0.16.1 ships no "
-                        "megatron.training (Megatron-LM's calc_params_l2_norm)")
+    _needs_megatron_training()
     expected = _oracle(SMALL, (), SEED_A)["total"]
     for got in _run("tp2-dp2"):
         assert got["megatron"] == pytest.approx(expected, rel=1e-5)
 
 
 
+@BUILDS_FSDP
 def test_megatron_0_16_fsdp_cannot_freeze() -> None:
     """Pins the reason of the skip above: in 0.16.1, ``MegatronFSDP._register_fsdp_hooks``
     registers a grad-accumulation hook on every param, frozen ones too. If this starts to pass,
@@ -365,6 +379,7 @@ def _pipeline_body() -> dict[str, str]:
     return errors
 
 
+@BUILDS_FSDP
 def test_pipeline_parallelism_is_refused() -> None:
     """Megatron-FSDP builds its device mesh without a pipeline axis, so megatron cannot build
     PP > 1; norm_optim refuses such a chunk by name should a release build one."""
@@ -405,6 +420,7 @@ def _hybrid_moe_body() -> str:
     return "accepted"
 
 
+@BUILDS_FSDP
 def test_hybrid_fsdp_with_experts_is_refused() -> None:
     """Two optimizer instances with MoE: megatron-core 0.16.1 shards the experts over dense
     ranks that hold other experts (the norm read from its shards was 4.994 for 5.954), and 0.19

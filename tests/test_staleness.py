@@ -21,6 +21,7 @@ import torch
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim.versions import megatron_at_least
 from layouts import MOE, SMALL, filled_oracle
 from mocked_state import TinyMoE, float16_optimizer, oracle, single_process
 from precision_aware_standin import build_precision_aware_optimizer
@@ -60,7 +61,12 @@ def _load_state_dict_body(dist_opt: bool, through_wrapper: bool) -> dict:
 
 
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["wrapper", "inner"])
-@pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
+@pytest.mark.parametrize("dist_opt", [
+    pytest.param(True, id="distopt", marks=pytest.mark.skipif(
+        not megatron_at_least(0, 15),
+        reason="the dp_reshardable parameter state exists since megatron-core 0.15")),
+    pytest.param(False, id="fp16opt"),
+])
 def test_load_state_dict_and_parameter_state(dist_opt: bool, through_wrapper: bool) -> None:
     for got in run_ranks(_load_state_dict_body, 2, dist_opt, through_wrapper):
         assert got["saved"] == pytest.approx(got["oracle1"], rel=REL)
@@ -101,6 +107,8 @@ def _offload_body(dist_opt: bool, through_wrapper: bool) -> dict:
             "counted_after_step": float(optimizer.param_l2_norm()), "stepped": stepped}
 
 
+@pytest.mark.skipif(not megatron_at_least(0, 15),
+                    reason="the optimizers' offload_to_cpu exists since megatron-core 0.15")
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["wrapper", "inner"])
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
 def test_offload_swapped_storage_is_followed(dist_opt: bool, through_wrapper: bool) -> None:

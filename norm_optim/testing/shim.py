@@ -173,12 +173,15 @@ def _megatron_patches() -> list[Patch]:
         # token_dispatcher imported the function by name, so patch its binding too.
         Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
     ]
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-
-    # gloo's all_gather needs equal sizes, but the layer-wise optimizer all-gathers each rank's
-    # (unequal) assigned params; megatron's own broadcast_params distributes the same values.
-    patches.append(Patch(LayerWiseDistributedOptimizer, "allgather_params",
-                          LayerWiseDistributedOptimizer.broadcast_params))
+    try:
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    except ImportError:  # the layer-wise optimizer exists since megatron-core 0.16
+        pass
+    else:
+        # gloo's all_gather needs equal sizes, but the layer-wise optimizer all-gathers each
+        # rank's (unequal) assigned params; megatron's broadcast_params distributes the same.
+        patches.append(Patch(LayerWiseDistributedOptimizer, "allgather_params",
+                             LayerWiseDistributedOptimizer.broadcast_params))
     if not hasattr(moe_utils, "te_general_gemm"):
         # moe_utils binds ``te_general_gemm`` only when Transformer Engine imports, yet the
         # router's ``router_gemm_with_logits`` reads it unconditionally (NameError without TE).
