@@ -23,6 +23,7 @@ import pytest
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model
 from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
+from norm_optim.versions import megatron_at_least
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 SEED = 7
@@ -79,7 +80,17 @@ class _FakeSummaryWriter:
         pass
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# Megatron-FSDP with experts cannot be built by megatron-core 0.14 (it reads a DeviceMesh
+# internal this torch no longer has) nor 0.15 (it calls FSDPDistributedIndex.get_expert_dp_group,
+# which 0.15 does not define): tests/test_megatron_fsdp.py skips them with the details.
+MOE_FSDP = pytest.mark.skipif(not megatron_at_least(0, 16),
+                              reason="Megatron-FSDP with experts needs megatron-core >= 0.16")
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=[MOE_FSDP] if "--megatron-fsdp" in argv else [])
+    for name, argv in LAYOUTS.items()
+])
 def test_logged_param_norm_matches_oracle_then_changes(
     example: Any,
     layout: str,

@@ -109,11 +109,14 @@ def _dcp_state_dict(chunk: Any, num_experts: int | None) -> dict[str, Any]:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
     )
-    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 
     chunk.stop_communication()  # as Megatron-LM's save: the module holds the DTensors
     state = {"model": chunk.state_dict()}
-    if num_experts:
+    if num_experts:  # (megatron-core 0.15 has no handle_experts_in_state_dict, nor MoE here)
+        from megatron.core.transformer.fsdp_dtensor_checkpoint import (
+            handle_experts_in_state_dict,
+        )
+
         state["model"] = handle_experts_in_state_dict(state["model"], num_experts)
     preprocess_state_dict_for_uneven_dtensor(state)
     return state
@@ -253,15 +256,23 @@ BUILDS_FSDP = pytest.mark.skipif(
     _megatron_version() < (0, 15),
     reason="Megatron-FSDP of megatron-core 0.14 reads torch's _MeshEnv.child_to_root_mapping "
            "(megatron_fsdp/utils.py get_mesh_names), which this torch no longer has")
-FROZEN_BEFORE_0_17 = ("Megatron-FSDP of megatron-core < 0.17 cannot build a model with frozen "
+# Megatron-FSDP with experts (MoE, EP or not).
+BUILDS_MOE_FSDP = pytest.mark.skipif(
+    (0, 15) <= _megatron_version() < (0, 16),
+    reason="Megatron-FSDP of megatron-core 0.15 calls FSDPDistributedIndex.get_expert_dp_group "
+           "for any model with experts (megatron_fsdp.py), which 0.15 does not define")
+FROZEN_BEFORE_0_17 = ("Megatron-FSDP of megatron-core 0.16 cannot build a model with frozen "
                       "params (test_megatron_0_16_fsdp_cannot_freeze pins it)")
 
 
 @BUILDS_FSDP
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[BUILDS_MOE_FSDP] if layout.cfg.num_experts else [])
+    for n, layout in LAYOUTS.items()
+])
 def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
     layout = LAYOUTS[name]
-    if layout.freeze and _megatron_version() < (0, 17):
+    if layout.freeze and (0, 16) <= _megatron_version() < (0, 17):
         pytest.skip(FROZEN_BEFORE_0_17)
     a = _oracle(layout.cfg, layout.freeze, SEED_A)
     b = _oracle(layout.cfg, layout.freeze, SEED_B)
@@ -298,6 +309,7 @@ EP_LAYOUTS = [n for n, layout in LAYOUTS.items() if layout.ep > 1]
 
 
 @BUILDS_FSDP
+@BUILDS_MOE_FSDP
 @pytest.mark.parametrize("name", EP_LAYOUTS)
 def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
     """The same run: Megatron-LM's ``calc_params_l2_norm`` under Megatron-FSDP sums each EP
@@ -326,8 +338,8 @@ def test_megatron_0_16_fsdp_cannot_freeze() -> None:
     """Pins the reason of the skip above: in 0.16.1, ``MegatronFSDP._register_fsdp_hooks``
     registers a grad-accumulation hook on every param, frozen ones too. If this starts to pass,
     drop the skip."""
-    if _megatron_version() >= (0, 17):
-        pytest.skip("megatron-core >= 0.17 builds Megatron-FSDP with frozen params")
+    if _megatron_version()[:2] != (0, 16):
+        pytest.skip("megatron-core 0.15 and >= 0.17 build Megatron-FSDP with frozen params")
     with pytest.raises(RankFailedError, match="cannot register a hook on a tensor that doesn't "
                                               "require gradient"):
         run_ranks(_build_only, 2, dict(freeze=("embedding.*",)), timeout=TIMEOUT)
@@ -421,6 +433,7 @@ def _hybrid_moe_body() -> str:
 
 
 @BUILDS_FSDP
+@BUILDS_MOE_FSDP
 def test_hybrid_fsdp_with_experts_is_refused() -> None:
     """Two optimizer instances with MoE: megatron-core 0.16.1 shards the experts over dense
     ranks that hold other experts (the norm read from its shards was 4.994 for 5.954), and 0.19

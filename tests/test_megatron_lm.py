@@ -31,14 +31,15 @@ def _skip_reason() -> str | None:
 
     version = megatron_core_version_string()
     try:
-        from megatron.training import training
+        from megatron.training import argument_utils, training
     except ImportError:
         return (f"{version} has no megatron.training (Megatron-LM's loop ships "
                 f"in the wheel since 0.17)")
 
-    if next(iter(inspect.signature(training.pretrain).parameters)) != "cfg_container":
-        return (f"{version}: the pretrain() runner of norm_optim.testing."
-                f"megatron_lm drives the 0.19 API (pretrain(cfg_container, ...))")
+    if (next(iter(inspect.signature(training.pretrain).parameters)) != "cfg_container"
+            or not hasattr(argument_utils, "gpt_config_from_args")):  # 0.17 / 0.18
+        return (f"{version}: the pretrain() runner of norm_optim.testing.megatron_lm drives "
+                f"the 0.19 API (pretrain(cfg_container, ...), gpt_config_from_args)")
     return None
 
 
@@ -269,7 +270,15 @@ def test_save_and_resume(tmp_path: Any, resume: str) -> None:
     assert resumed["printed"] == [_printed(oracle)] * 2
 
 
-@pytest.mark.skipif(_REASON is None, reason="megatron.training is present")
+def _imports_megatron_training() -> bool:
+    try:
+        from megatron.training import training  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_imports_megatron_training(), reason="megatron.training is present")
 def test_install_without_megatron_training_names_the_version() -> None:
     from norm_optim.integrations.megatron_lm import MegatronLMVersionError, install
 

@@ -107,8 +107,9 @@ def _offload_body(dist_opt: bool, through_wrapper: bool) -> dict:
             "counted_after_step": float(optimizer.param_l2_norm()), "stepped": stepped}
 
 
-@pytest.mark.skipif(not megatron_at_least(0, 15),
-                    reason="the optimizers' offload_to_cpu exists since megatron-core 0.15")
+@pytest.mark.skipif(not megatron_at_least(0, 16),
+                    reason="the optimizers' offload_to_cpu exists since megatron-core 0.15, and "
+                           "there logs with a `logging` that optimizer.py does not import")
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["wrapper", "inner"])
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
 def test_offload_swapped_storage_is_followed(dist_opt: bool, through_wrapper: bool) -> None:
