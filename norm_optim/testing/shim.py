@@ -182,11 +182,28 @@ def _megatron_patches() -> list[Patch]:
         # rank's (unequal) assigned params; megatron's broadcast_params distributes the same.
         patches.append(Patch(LayerWiseDistributedOptimizer, "allgather_params",
                              LayerWiseDistributedOptimizer.broadcast_params))
+    patches += _inference_linear_patches()
     if not hasattr(moe_utils, "te_general_gemm"):
         # moe_utils binds ``te_general_gemm`` only when Transformer Engine imports, yet the
         # router's ``router_gemm_with_logits`` reads it unconditionally (NameError without TE).
         patches.append(Patch(moe_utils, "te_general_gemm", None))
     return patches
+
+
+def _inference_linear_patches() -> list[Patch]:
+    try:  # megatron-core main (0.20)
+        from megatron.core.tensor_parallel import inference_layers
+        from megatron.core.transformer import multi_token_prediction
+    except ImportError:
+        return []
+    checker = getattr(multi_token_prediction, "is_inference_column_parallel_linear", None)
+    if checker is None or isinstance(inference_layers.InferenceColumnParallelLinear, type):
+        return []
+    # Without Transformer Engine the inference linears are MagicMock placeholders, so the
+    # isinstance in is_inference_column_parallel_linear (inference_layers.py), which every
+    # MultiTokenPredictionLayer calls, raises TypeError; no module is one of them here.
+    return [Patch(multi_token_prediction, "is_inference_column_parallel_linear",
+                  lambda module: False)]
 
 
 def _torch_patches() -> list[Patch]:
