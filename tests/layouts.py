@@ -85,7 +85,8 @@ class Layout:
         if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
             return [pytest.mark.skip(reason="GTP weight remat exists since megatron-core 0.19")]
         if self.pg_collection and not megatron_at_least(0, 15):
-            return [pytest.mark.skip(reason="ProcessGroupCollection exists since megatron-core 0.15")]
+            return [pytest.mark.skip(reason="ProcessGroupCollection exists since megatron-core "
+                                     "0.15")]
         if self.optimizer != "adam" and not (megatron_at_least(0, 19) and _has_emerging()):
             return [pytest.mark.skip(reason=f"{self.optimizer} in get_megatron_optimizer needs "
                                      "megatron-core >= 0.19 and emerging-optimizers (Python >= 3.12)")]

@@ -67,7 +67,8 @@ SINCE_0_15 = pytest.mark.skipif(
 DP_RESHARDABLE_SAVES = pytest.mark.skipif(
     not megatron_at_least(0, 16),
     reason="megatron-core 0.15's dp_reshardable save asserts that every optimizer state is a "
-           "flat shard, which torch Adam's scalar 'step' is not (sharded_param_state_dp_reshardable)")
+           "flat shard, which torch Adam's scalar 'step' is not "
+           "(sharded_param_state_dp_reshardable)")
 LAYOUTS = {
     "dp2": Layout(2, SMALL),
     "tp2-dp2": Layout(4, SMALL, tp=2),
@@ -140,8 +141,8 @@ def test_norm_follows_dist_checkpoint_load(tmp_path: Any, layout: str, sharding:
     assert len({r["loaded"] for r in results}) == 1, "ranks disagree"
 
 
-# megatron-core 0.14 and 0.15 fail earlier: their save validates the flattened shards with np.product,
-# which numpy 2 removed.
+# megatron-core 0.14 and 0.15 fail earlier: their save validates the flattened shards with
+# np.product, which numpy 2 removed.
 FLATTENED_RANGE_ERROR = (
     r"CheckpointingException: ShardedTensor\.flattened_range is not supported"
     if megatron_at_least(0, 16) else r"module 'numpy' has no attribute 'product'")
