@@ -25,7 +25,7 @@ from .megatron import (
 )
 from .naming import global_param_names
 from .ownership import RankCoords, why_not_counted
-from .vocabulary import NotCounted, Source
+from .vocabulary import NotCounted, Source, SplitFrom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,12 @@ class ParamRecord:
         expert: whether it is an expert param (reduced with the expert layout).
         counted: whether this rank adds ``tensor``'s squares to the global norm.
         reason: why it is not counted (:class:`~norm_optim.vocabulary.NotCounted`), or None.
+        split_from: where its TP split was taken from
+            (:class:`~norm_optim.vocabulary.SplitFrom`): the model's checkpoint declaration
+            (``sharded_state_dict``) or megatron's marker (no declaration; models that are not
+            megatron modules).
+        note: for a megatron model's param, how megatron's marker disagrees with its
+            declaration (the declaration counts), or why there is no declaration; else None.
     """
 
     name: str
@@ -57,6 +63,8 @@ class ParamRecord:
     expert: bool
     counted: bool
     reason: Optional[NotCounted]
+    split_from: SplitFrom = SplitFrom.MARKER
+    note: Optional[str] = None
 
     @property
     def numel(self) -> int:
@@ -70,7 +78,8 @@ class ParamRecord:
         return (
             f"ParamRecord({self.name!r}, {self.source}, {held}, "
             f"{'expert' if self.expert else 'dense'}, "
-            f"{'counted' if self.counted else 'not counted: ' + str(self.reason)})"
+            f"{'counted' if self.counted else 'not counted: ' + str(self.reason)}, "
+            f"split from {self.split_from}" + (f": {self.note}" if self.note else "") + ")"
         )
 
 
@@ -137,10 +146,20 @@ class ParamRegistry:
             if not r.counted:
                 by_reason[r.reason or "?"] = by_reason.get(r.reason or "?", 0) + 1
         skipped = ", ".join(f"{n} {k}" for k, n in sorted(by_reason.items())) or "none"
+        declared = sum(r.split_from == SplitFrom.DECLARATION for r in self.records)
+        noted = sum(r.note is not None for r in self.records)
         return (
             f"{len(self.records)} params, {len(self.counted)} counted here "
-            f"({self.counted_numel} elements); not counted: {skipped}"
+            f"({self.counted_numel} elements); not counted: {skipped}; TP split from "
+            f"declarations for {declared}, markers for {len(self.records) - declared}"
+            + (f" ({noted} noted: see the records' note)" if noted else "")
         )
+
+    @property
+    def noted(self) -> list[ParamRecord]:
+        """Records whose marker disagrees with the declaration, or that have no declaration
+        although the model is a megatron model (see :attr:`ParamRecord.note`)."""
+        return [r for r in self.records if r.note is not None]
 
 
 def _model_chunks(optimizer: Any, model: Any) -> Optional[list[torch.nn.Module]]:
@@ -280,4 +299,6 @@ def _record(
         expert=traits.expert,
         counted=reason is None,
         reason=reason,
+        split_from=traits.split_from,
+        note=traits.note,
     )

@@ -58,6 +58,9 @@ class TinyGPTConfig:
     # embedding there: megatron marks it ``shared``).
     mtp_num_layers: int = 0
     position_embedding_type: str = "learned_absolute"
+    # Attention sinks (megatron's ``softmax_type``): "learnable" gives every attention layer a
+    # ``softmax_offset`` param of one value per head, split over TP; "off-by-one" a zero buffer.
+    softmax_type: str = "vanilla"
 
 
 def transformer_config(cfg: TinyGPTConfig) -> Any:
@@ -104,6 +107,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         use_cpu_initialization=True,
         perform_initialization=cfg.perform_initialization,
         **({"mtp_num_layers": cfg.mtp_num_layers} if cfg.mtp_num_layers else {}),
+        **({"softmax_type": cfg.softmax_type} if cfg.softmax_type != "vanilla" else {}),
         bf16=cfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
