@@ -47,7 +47,8 @@ class ParamRecord:
         expert: whether it is an expert param (reduced with the expert layout).
         counted: whether this rank adds ``tensor``'s squares to the global norm.
         reason: why it is not counted (:class:`~norm_optim.vocabulary.NotCounted`), or None.
-        split_from: where its TP split was taken from
+        tp_split: whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies).
+        split_from: where ``tp_split`` was taken from
             (:class:`~norm_optim.vocabulary.SplitFrom`): the model's checkpoint declaration
             (``sharded_state_dict``) or megatron's marker (no declaration; models that are not
             megatron modules).
@@ -63,6 +64,7 @@ class ParamRecord:
     expert: bool
     counted: bool
     reason: Optional[NotCounted]
+    tp_split: bool = False
     split_from: SplitFrom = SplitFrom.MARKER
     note: Optional[str] = None
 
@@ -79,7 +81,8 @@ class ParamRecord:
             f"ParamRecord({self.name!r}, {self.source}, {held}, "
             f"{'expert' if self.expert else 'dense'}, "
             f"{'counted' if self.counted else 'not counted: ' + str(self.reason)}, "
-            f"split from {self.split_from}" + (f": {self.note}" if self.note else "") + ")"
+            f"{'tp-split' if self.tp_split else 'tp-replicated'} by {self.split_from}"
+            + (f": {self.note}" if self.note else "") + ")"
         )
 
 
@@ -299,6 +302,7 @@ def _record(
         expert=traits.expert,
         counted=reason is None,
         reason=reason,
+        tp_split=traits.tp_split,
         split_from=traits.split_from,
         note=traits.note,
     )

@@ -1,0 +1,120 @@
+"""Learnable attention sinks, counted exactly: the param megatron splits over TP but does not mark.
+
+``TransformerConfig(softmax_type="learnable")`` gives every attention layer a ``softmax_offset``
+of ``num_attention_heads / TP`` values per rank, without the ``tensor_model_parallel`` marker;
+its ``sharded_state_dict`` declares it split on dim 0 over TP. Counting by the marker counts it on
+TP rank 0 only (norm_optim did, and Megatron-LM's ``calc_params_l2_norm`` still does). Each case
+builds the real model, optimizer and parallel state on gloo CPU ranks, fills every weight with
+its layout-independent values (the oracle gives each TP rank's sink values by their global head
+index, so an under-count changes the norm), and compares with the exact norm of the same model
+built on one rank. Megatron's own value (megatron-core >= 0.17, which ships
+``megatron.training``) is shown wrong in the same run, by exactly the sink values it misses.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
+from norm_optim.testing.oracle import (
+    fill_deterministic_,
+    global_param_shapes,
+    named_global_parameters,
+    oracle_sum_of_squares,
+)
+from layouts import SINKS, SINKS_MOE, Layout
+
+SEED = 11
+REL = 1e-6
+SINK = "core_attention.softmax_offset"
+
+LAYOUTS = {
+    "tp2-dp2": Layout(4, SINKS, tp=2),
+    "tp2-ep2": Layout(4, SINKS_MOE, tp=2, ep=2),
+    "tp2-pp2": Layout(4, SINKS, tp=2, pp=2),
+}
+CASES = [
+    pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}",
+                 marks=layout.marks())
+    for name, layout in LAYOUTS.items()
+    for dist_opt in (True, False)
+]
+
+
+def _unparallel_shapes(cfg: TinyGPTConfig) -> dict[str, tuple[int, ...]]:
+    """Rank body: the same model on one rank (the oracle's shapes, sinks included)."""
+    init_parallel()
+    return global_param_shapes(build_model(cfg, seed=SEED))
+
+
+def _megatron_norm(chunks: list) -> float | None:
+    """Megatron-LM's own ``calc_params_l2_norm`` (None without ``megatron.training``)."""
+    try:
+        from megatron.training import global_vars
+        from megatron.training.utils import calc_params_l2_norm
+    except ImportError:
+        return None
+    global_vars.set_args(types.SimpleNamespace(use_megatron_fsdp=False, bf16=True))
+    return float(calc_params_l2_norm(chunks))
+
+
+def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    from norm_optim import NormAwareOptimizer
+
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, seed=SEED)
+    inner = build_optimizer(chunks)
+    fill_deterministic_(chunks, SEED, optimizer=inner)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    sinks = {name: param.detach().double().tolist()
+             for name, param in named_global_parameters(chunks) if name.endswith(SINK)}
+    return {
+        "norm": float(optimizer.param_l2_norm()),
+        "megatron": _megatron_norm(chunks),
+        "shapes": global_param_shapes(chunks),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "sinks": sinks,
+        "sink_records": [(r.tp_split, str(r.split_from), r.note)
+                         for r in optimizer.registry if r.name.endswith(SINK)],
+    }
+
+
+@pytest.mark.parametrize("name,dist_opt", CASES)
+def test_learnable_sinks_counted_exactly(name: str, dist_opt: bool) -> None:
+    layout = LAYOUTS[name]
+    shapes = run_ranks(_unparallel_shapes, 1, layout.cfg)[0]
+    sums = oracle_sum_of_squares(shapes, SEED)
+    expected = math.sqrt(math.fsum(sums.values()))
+    sink_names = [n for n in shapes if n.endswith(SINK)]
+    assert sink_names and all(shapes[n] == (layout.cfg.num_attention_heads,) for n in sink_names)
+    # What counting each sink on TP rank 0 only gives: the first num_heads / TP values.
+    first_part = (layout.cfg.num_attention_heads // layout.tp,)
+    missed = math.fsum(sums[n] for n in sink_names) - math.fsum(
+        oracle_sum_of_squares({n: first_part for n in sink_names}, SEED).values())
+    assert missed > 0
+
+    results = run_ranks(_rank_body, layout.world, layout, dist_opt, timeout=240)
+
+    by_tp: dict[int, dict[str, list[float]]] = {}
+    for rank, got in enumerate(results):
+        assert got["shapes"] == shapes, f"rank {rank}: the layout's model differs"
+        assert got["norm"] == pytest.approx(expected, rel=REL), f"rank {rank}"
+        for split, source, note in got["sink_records"]:
+            assert split and source == "declaration" and "declared split on dim 0" in note
+        by_tp.setdefault(got["tp_rank"], {}).update(got["sinks"])
+        if got["megatron"] is not None:
+            # Megatron's marker-based function misses the sink values of TP ranks > 0.
+            assert got["megatron"] == pytest.approx(math.sqrt(expected**2 - missed), rel=REL)
+            assert got["megatron"] < expected * (1 - 10 * REL)
+    # The test can fail: each TP rank holds different sink values.
+    assert all(by_tp[0][n] != by_tp[1][n] for n in by_tp[0])
+    print(f"\n{name}: norm_optim {results[0]['norm']:.6f}, exact {expected:.6f}, "
+          f"Megatron's calc_params_l2_norm {results[0]['megatron']}")
