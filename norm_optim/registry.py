@@ -16,6 +16,7 @@ from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
 from .megatron import (
+    Declarations,
     Holding,
     ModelStructure,
     model_param,
@@ -110,9 +111,12 @@ class ParamRegistry:
     ) -> None:
         chunks = _model_chunks(optimizer, model)
         holdings = read_holdings(optimizer, comm)
+        structure = ModelStructure.of(chunks)
         self.sees_frozen_params = chunks is not None
+        # What the model's checkpoint declarations said (read once per build, no collective).
+        self.declarations: Declarations = structure.declarations
         self.records: list[ParamRecord] = _build_records(
-            holdings, chunks, coords=coords, comm=comm, count_frozen=count_frozen
+            holdings, chunks, structure, coords=coords, comm=comm, count_frozen=count_frozen
         )
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = chunks
@@ -156,6 +160,7 @@ class ParamRegistry:
             f"({self.counted_numel} elements); not counted: {skipped}; TP split from "
             f"declarations for {declared}, markers for {len(self.records) - declared}"
             + (f" ({noted} noted: see the records' note)" if noted else "")
+            + (f"; declarations {self.declarations.caveat}" if self.declarations.caveat else "")
         )
 
     @property
@@ -194,6 +199,7 @@ def named_model_params(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str,
 def _build_records(
     holdings: Sequence[Holding],
     chunks: Optional[Sequence[torch.nn.Module]],
+    structure: ModelStructure,
     *,
     coords: RankCoords,
     comm: Communicator,
@@ -219,10 +225,10 @@ def _build_records(
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
-        structure, global_names = ModelStructure(), {}
+        global_names: dict[int, str] = {}
     else:
         named = named_model_params(chunks)
-        structure, global_names = ModelStructure.of(chunks), global_param_names(chunks)
+        global_names = global_param_names(chunks)
 
     records: list[ParamRecord] = []
     for name, param in named:

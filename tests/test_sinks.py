@@ -13,6 +13,7 @@ built on one rank. Megatron's own value (megatron-core >= 0.17, which ships
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from typing import Any
@@ -28,7 +29,7 @@ from norm_optim.testing.oracle import (
     named_global_parameters,
     oracle_sum_of_squares,
 )
-from layouts import SINKS, SINKS_MOE, Layout
+from layouts import HYBRID, MTP, SINKS, SINKS_MOE, Layout
 
 SEED = 11
 REL = 1e-6
@@ -38,7 +39,16 @@ LAYOUTS = {
     "tp2-dp2": Layout(4, SINKS, tp=2),
     "tp2-ep2": Layout(4, SINKS_MOE, tp=2, ep=2),
     "tp2-pp2": Layout(4, SINKS, tp=2, pp=2),
+    # Sinks in the MTP layer too, on a last stage whose sharded_state_dict megatron 0.19.2
+    # cannot build (the declarations are then read module by module).
+    "mtp-tp2-pp2": Layout(4, dataclasses.replace(MTP, num_layers=2, softmax_type="learnable"),
+                          tp=2, pp=2),
+    "hybrid-tp2-ep2": Layout(4, dataclasses.replace(HYBRID, softmax_type="learnable"),
+                             tp=2, ep=2, etp=1),
 }
+# Where Megatron's own function is wrong by the sinks alone (on the MTP stage it also counts
+# the unused output weight: too high).
+ONLY_SINKS_MISSED = {"tp2-dp2", "tp2-ep2", "tp2-pp2", "hybrid-tp2-ep2"}
 CASES = [
     pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}",
                  marks=layout.marks())
@@ -111,9 +121,10 @@ def test_learnable_sinks_counted_exactly(name: str, dist_opt: bool) -> None:
             assert split and source == "declaration" and "declared split on dim 0" in note
         by_tp.setdefault(got["tp_rank"], {}).update(got["sinks"])
         if got["megatron"] is not None:
+            assert got["megatron"] != pytest.approx(expected, rel=10 * REL)
+        if got["megatron"] is not None and name in ONLY_SINKS_MISSED:
             # Megatron's marker-based function misses the sink values of TP ranks > 0.
             assert got["megatron"] == pytest.approx(math.sqrt(expected**2 - missed), rel=REL)
-            assert got["megatron"] < expected * (1 - 10 * REL)
     # The test can fail: each TP rank holds different sink values.
     assert all(by_tp[0][n] != by_tp[1][n] for n in by_tp[0])
     print(f"\n{name}: norm_optim {results[0]['norm']:.6f}, exact {expected:.6f}, "

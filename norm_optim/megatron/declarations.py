@@ -74,11 +74,14 @@ class Declarations:
             models without ``sharded_state_dict`` (plain torch), where the markers are the rule.
         unavailable: why a megatron model's declarations could not be read (None if read or
             not a megatron model): the registry shows it on every record.
+        caveat: how they were read when megatron's own top-level step failed (None if it
+            did not): the registry's summary shows it.
     """
 
     by_param: Mapping[int, Declaration] = dataclasses.field(default_factory=dict)
     read: bool = False
     unavailable: Optional[str] = None
+    caveat: Optional[str] = None
 
 
 def read_declarations(
@@ -98,16 +101,41 @@ def read_declarations(
         # Its params are DTensor stand-ins of flat buffers: the declarations describe the
         # buffers' layout, not the model params (the buffer reader knows the shards).
         return Declarations(read=False, unavailable="not read for Megatron-FSDP models")
+    metadata = {"dp_cp_group": dp_cp_group if dp_cp_group is not None else _dp_cp_group()}
+    caveats: list[str] = []
     try:
-        metadata = {"dp_cp_group": dp_cp_group if dp_cp_group is not None else _dp_cp_group()}
-        states = [chunk.sharded_state_dict(metadata=metadata) for chunk in chunks]
+        states = [_chunk_state(chunk, metadata, caveats) for chunk in chunks]
     except Exception as error:  # noqa: BLE001 -- any failure means: count by the markers
         return Declarations(read=False, unavailable=f"sharded_state_dict failed: {error!r}")
     by_param: dict[int, Declaration] = {}
     for state in states:
         for data, declaration in _param_declarations(state):
             by_param.setdefault(id(model_param(data)), declaration)
-    return Declarations(by_param, read=True)
+    return Declarations(by_param, read=True, caveat="; ".join(caveats) or None)
+
+
+def _chunk_state(chunk: torch.nn.Module, metadata: dict, caveats: list[str]) -> Any:
+    """The chunk's sharded state dict as a checkpoint save builds it; where megatron's own
+    top-level step raises, what its modules declare (megatron's generic ``MegatronModule``
+    implementation on the model: the same per-param declarations, without the language
+    model's renaming of tied copies)."""
+    try:
+        return chunk.sharded_state_dict(metadata=metadata)
+    except Exception as error:  # noqa: BLE001 -- retried below, and said in the registry
+        # Seen on 0.19.2: an MTP stage at PP > 1 with tied embeddings asserts that its
+        # output layer has no weight, while the local spec's output layer allocates one.
+        from megatron.core.transformer.module import MegatronModule
+
+        model = chunk
+        while not isinstance(model, MegatronModule) or hasattr(model, "module"):
+            inner = getattr(model, "module", None)
+            if not isinstance(inner, torch.nn.Module):
+                raise
+            model = inner
+        caveats.append(f"read module by module ({type(model).__name__}.sharded_state_dict "
+                       f"raised {type(error).__name__})")
+        # megatron/core/transformer/module.py (0.14-0.19) MegatronModule.sharded_state_dict
+        return MegatronModule.sharded_state_dict(model, "", (), metadata)
 
 
 def _dp_cp_group() -> Any:
