@@ -12,6 +12,9 @@ gloo ranks:
   exactly the expected ones (today: the learnable attention sink ``softmax_offset``), and the
   registry notes exactly those records;
 - reading the declarations runs no collective.
+
+Then the rule itself in one process: the declaration wins, a disagreement is noted, a param
+without one falls back to the markers and says why, a plain torch model keeps the markers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import global_param_shapes, named_global_parameters
 from layouts import DENSE, GTP_DENSE, HYBRID, MTP, SINKS, SINKS_MOE, SMALL, SMALL_MOE, Layout
+from mocked_state import TinyMoE, float16_optimizer, single_process
 
 SINK = {"decoder.layers.*.self_attention.core_attention.softmax_offset"}
 MTP_SINK = {"mtp.layers.*.*.self_attention.core_attention.softmax_offset"}
@@ -180,3 +184,83 @@ def test_every_param_classified_as_declared(name: str) -> None:
     assert noted == audit.unmarked
     if audit.raw_markers:
         assert unmarked == audit.unmarked
+
+
+# ------------------------------------------------------------------ the rule, in one process
+
+
+def _param(**markers: Any) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.zeros(4))
+    for key, value in markers.items():
+        setattr(param, key, value)
+    return param
+
+
+def _declared(split: bool) -> Any:
+    from norm_optim.megatron import Declaration
+
+    return Declaration("layer.weight", (8,), (2,) if split else (1,), (0,), (0, 0, 0))
+
+
+def _traits(param: torch.nn.Parameter, tp_size: int = 2, **declarations: Any) -> Any:
+    from norm_optim.comm import TorchCommunicator
+    from norm_optim.megatron import ModelStructure, param_traits
+
+    structure = ModelStructure(declarations=_declarations(**declarations), tp_size=tp_size)
+    return param_traits(param, structure, TorchCommunicator())
+
+
+def _declarations(**fields: Any) -> Any:
+    from norm_optim.megatron import Declarations
+
+    return Declarations(**fields)
+
+
+@pytest.mark.parametrize("declared,marker,note", [
+    (True, None, "declared split on dim 0 in 2 parts as 'layer.weight', but the markers say "
+                 "replicated (no marker, not in the layer table): the declaration counts"),
+    (False, True, "declared replicated across TP as 'layer.weight', but the markers say "
+                  "TP-split (tensor_model_parallel=True): the declaration counts"),
+    (True, True, None),
+    (False, None, None),
+])
+def test_the_declaration_wins_and_a_disagreement_is_noted(
+    declared: bool, marker: bool | None, note: str | None
+) -> None:
+    param = _param(**({} if marker is None else {"tensor_model_parallel": marker}))
+    traits = _traits(param, by_param={id(param): _declared(declared)}, read=True)
+    assert (traits.tp_split, traits.split_from, traits.note) == (declared, "declaration", note)
+
+
+def test_nothing_to_disagree_about_at_tp1() -> None:
+    param = _param(tensor_model_parallel=True)
+    traits = _traits(param, tp_size=1, by_param={id(param): _declared(False)}, read=True)
+    assert (traits.tp_split, traits.split_from, traits.note) == (False, "declaration", None)
+
+
+@pytest.mark.parametrize("declarations,note", [
+    # A megatron model that declares other params but not this one.
+    (dict(by_param={}, read=True), "no sharding declaration"),
+    # A megatron model whose declarations could not be built.
+    (dict(unavailable="sharded_state_dict failed: boom"),
+     "declarations sharded_state_dict failed: boom"),
+    # Not a megatron model (plain torch): the markers are its rule, silently.
+    (dict(), None),
+])
+def test_without_a_declaration_the_markers_decide_and_the_record_says_why(
+    declarations: dict, note: str | None
+) -> None:
+    param = _param(tensor_model_parallel=True)
+    traits = _traits(param, **declarations)
+    assert (traits.tp_split, traits.split_from, traits.note) == (True, "marker", note)
+
+
+@single_process
+def test_a_plain_torch_model_keeps_the_markers_without_notes() -> None:
+    from norm_optim import NormAwareOptimizer
+
+    model = TinyMoE()
+    registry = NormAwareOptimizer(float16_optimizer(model), model=model).registry
+    assert not registry.declarations.read and registry.noted == []
+    assert all(r.split_from == "marker" for r in registry)
+    assert registry["column"].tp_split and not registry["norm"].tp_split

@@ -101,6 +101,9 @@ def read_declarations(
         # Its params are DTensor stand-ins of flat buffers: the declarations describe the
         # buffers' layout, not the model params (the buffer reader knows the shards).
         return Declarations(read=False, unavailable="not read for Megatron-FSDP models")
+    if any(type(p).__name__ == "DTensor" for c in chunks for p in c.parameters()):
+        # torch FSDP2: the DTensor placements state the sharding; that is its own rule.
+        return Declarations()
     metadata = {"dp_cp_group": dp_cp_group if dp_cp_group is not None else _dp_cp_group()}
     caveats: list[str] = []
     try:
