@@ -122,8 +122,9 @@ def _chunk_state(chunk: torch.nn.Module, metadata: dict, caveats: list[str]) -> 
     top-level step raises, what its modules declare (megatron's generic ``MegatronModule``
     implementation on the model: the same per-param declarations, without the language
     model's renaming of tied copies)."""
+    build: Any = getattr(chunk, "sharded_state_dict")  # a megatron module's method
     try:
-        return chunk.sharded_state_dict(metadata=metadata)
+        return build(metadata=metadata)
     except Exception as error:  # noqa: BLE001 -- retried below, and said in the registry
         # Seen on 0.19.2: an MTP stage at PP > 1 with tied embeddings asserts that its
         # output layer has no weight, while the local spec's output layer allocates one.
