@@ -1,8 +1,8 @@
 """Audit: every param of every model the test kit builds is classified as megatron declares it.
 
 For each model (GPTModel and HybridModel; dense, MoE, shared experts, SwiGLU, MTP, GTP,
-learnable and off-by-one sinks, tied and untied; TP, ETP, EP, PP, VPP, CP), at TP = 2, on real
-gloo ranks:
+learnable and off-by-one sinks, tied and untied; TP, ETP, EP, PP, VPP, CP; DDP and, since 0.19,
+Megatron-FSDP), at TP = 2, on real gloo ranks:
 
 - each param's TP classification in the registry (``ParamRecord.tp_split``) equals the truth,
   taken from shapes alone: a param is split when this rank holds fewer of its elements (before
@@ -31,6 +31,7 @@ from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import global_param_shapes, named_global_parameters
 from layouts import DENSE, GTP_DENSE, HYBRID, MTP, SINKS, SINKS_MOE, SMALL, SMALL_MOE, Layout
+from norm_optim.versions import megatron_at_least
 from mocked_state import TinyMoE, float16_optimizer, single_process
 
 SINK = {"decoder.layers.*.self_attention.core_attention.softmax_offset"}
@@ -50,6 +51,13 @@ class Audit:
     # False where megatron sets no markers at all (no weight init before 0.18.2): then only
     # the registry's notes (markers plus layer table) are checked against ``unmarked``.
     raw_markers: bool = True
+    # Built as one Megatron-FSDP chunk (its DTensor stand-ins; declarations read since 0.19).
+    megatron_fsdp: bool = False
+
+    def marks(self) -> list[Any]:
+        if self.megatron_fsdp and not megatron_at_least(0, 19):
+            return [pytest.mark.skip(reason="Megatron-FSDP declarations are read since 0.19")]
+        return self.layout.marks()
 
 
 AUDITS = {
@@ -77,6 +85,9 @@ AUDITS = {
         Layout(4, _learnable(SMALL_MOE, moe_shared_expert_intermediate_size=32), tp=2, ep=2), SINK),
     "gtp-tp2-gtp2-sinks": Audit(Layout(4, _learnable(GTP_DENSE, num_layers=2), tp=2, gtp=2), SINK),
     "hybrid-tp2-ep2-sinks": Audit(Layout(4, _learnable(HYBRID), tp=2, ep=2, etp=1), SINK),
+    "megatron-fsdp-tp2-dp2-sinks": Audit(Layout(4, SINKS, tp=2), SINK, megatron_fsdp=True),
+    "megatron-fsdp-moe-tp2-ep2-sinks": Audit(Layout(4, SINKS_MOE, tp=2, ep=2), SINK,
+                                             megatron_fsdp=True),
 }
 
 
@@ -128,14 +139,16 @@ def _counting_collectives() -> Iterator[list[str]]:
             setattr(torch.distributed, name, original)
 
 
-def _rank_body(layout: Layout) -> dict[str, Any]:
+def _rank_body(layout: Layout, megatron_fsdp: bool) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from norm_optim import NormAwareOptimizer
     from norm_optim.megatron.declarations import read_declarations
+    from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
     init_parallel(**layout.parallel())
-    chunks = build_model(layout.cfg, use_distributed_optimizer=True)
+    chunks = (build_fsdp_model(layout.cfg) if megatron_fsdp
+              else build_model(layout.cfg, use_distributed_optimizer=True))
     with _counting_collectives() as calls:
         declarations = read_declarations(chunks)
     registry = NormAwareOptimizer(build_optimizer(chunks), model=chunks).registry
@@ -159,12 +172,13 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=a.layout.marks()) for n, a in AUDITS.items()]
+    "name", [pytest.param(n, marks=a.marks()) for n, a in AUDITS.items()]
 )
 def test_every_param_classified_as_declared(name: str) -> None:
     audit = AUDITS[name]
     whole = run_ranks(_unparallel_numels, 1, audit.layout.cfg)[0]
-    results = run_ranks(_rank_body, audit.layout.world, audit.layout, timeout=240)
+    results = run_ranks(_rank_body, audit.layout.world, audit.layout, audit.megatron_fsdp,
+                        timeout=240)
 
     unmarked: set[str] = set()
     noted: set[str] = set()

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from ..versions import megatron_at_least
 from .fsdp import model_param
 
 
@@ -97,17 +98,24 @@ def read_declarations(
     """
     if not chunks or not all(callable(getattr(c, "sharded_state_dict", None)) for c in chunks):
         return Declarations()
-    if any(_is_megatron_fsdp(c) for c in chunks):
-        # Its params are DTensor stand-ins of flat buffers: the declarations describe the
-        # buffers' layout, not the model params (the buffer reader knows the shards).
-        return Declarations(read=False, unavailable="not read for Megatron-FSDP models")
-    if any(type(p).__name__ == "DTensor" for c in chunks for p in c.parameters()):
+    fsdp = any(_is_megatron_fsdp(c) for c in chunks)
+    if fsdp and not megatron_at_least(0, 19):
+        # megatron/core/utils.py (0.16.1) make_sharded_tensor_for_checkpoint takes every
+        # DTensor for a torch FSDP2 shard: it adds a DP axis and may all-gather it.
+        return Declarations(read=False, unavailable=(
+            "not read for Megatron-FSDP before megatron-core 0.19 (its sharded_state_dict "
+            "treats the DTensor params as torch FSDP2 shards and may gather them)"))
+    if not fsdp and any(type(p).__name__ == "DTensor" for c in chunks for p in c.parameters()):
         # torch FSDP2: the DTensor placements state the sharding; that is its own rule.
         return Declarations()
     metadata = {"dp_cp_group": dp_cp_group if dp_cp_group is not None else _dp_cp_group()}
     caveats: list[str] = []
     try:
-        states = [_chunk_state(chunk, metadata, caveats) for chunk in chunks]
+        # Megatron-FSDP's own sharded_state_dict describes its DTensor buffers (no TP
+        # fragments); the model inside it declares the TP split as under DDP, with the
+        # DTensor stand-ins as data (model_param maps them back).
+        states = [_chunk_state(_innermost(chunk) if fsdp else chunk, metadata, caveats)
+                  for chunk in chunks]
     except Exception as error:  # noqa: BLE001 -- any failure means: count by the markers
         return Declarations(read=False, unavailable=f"sharded_state_dict failed: {error!r}")
     by_param: dict[int, Declaration] = {}
@@ -130,16 +138,20 @@ def _chunk_state(chunk: torch.nn.Module, metadata: dict, caveats: list[str]) -> 
         # output layer has no weight, while the local spec's output layer allocates one.
         from megatron.core.transformer.module import MegatronModule
 
-        model = chunk
-        while not isinstance(model, MegatronModule) or hasattr(model, "module"):
-            inner = getattr(model, "module", None)
-            if not isinstance(inner, torch.nn.Module):
-                raise
-            model = inner
+        model = _innermost(chunk)
+        if not isinstance(model, MegatronModule):
+            raise
         caveats.append(f"read module by module ({type(model).__name__}.sharded_state_dict "
                        f"raised {type(error).__name__})")
         # megatron/core/transformer/module.py (0.14-0.19) MegatronModule.sharded_state_dict
         return MegatronModule.sharded_state_dict(model, "", (), metadata)
+
+
+def _innermost(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron's wrappers (DDP, Megatron-FSDP, Float16Module: ``.module``)."""
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = getattr(chunk, "module")
+    return chunk
 
 
 def _dp_cp_group() -> Any:
