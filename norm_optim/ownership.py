@@ -6,8 +6,10 @@ across all ranks. A rank counts a tensor it holds when it is the *canonical hold
 =========================  ==========================================  =======================
 replicated over            canonical holder                            decided by
 =========================  ==========================================  =======================
-tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    params without
-                           for params that TP does not split            ``tensor_model_parallel``
+tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    ``tp_split``: the
+                           for params that TP does not split            model's sharding
+                                                                        declaration, else
+                                                                        the marker
 tied weights               the copy without ``shared=True`` (an output  ``shared`` attribute,
                            weight that tying leaves unused: none)       model structure
 data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holding.replicated``

@@ -16,6 +16,7 @@ from .comm import Communicator
 from .errors import ParallelStateError, UnknownParamError
 from .kernels import Summand
 from .megatron import (
+    Declarations,
     Holding,
     ModelStructure,
     model_param,
@@ -25,7 +26,7 @@ from .megatron import (
 )
 from .naming import global_param_names
 from .ownership import RankCoords, why_not_counted
-from .vocabulary import NotCounted, Source
+from .vocabulary import NotCounted, Source, SplitFrom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,13 @@ class ParamRecord:
         expert: whether it is an expert param (reduced with the expert layout).
         counted: whether this rank adds ``tensor``'s squares to the global norm.
         reason: why it is not counted (:class:`~norm_optim.vocabulary.NotCounted`), or None.
+        tp_split: whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies).
+        split_from: where ``tp_split`` was taken from
+            (:class:`~norm_optim.vocabulary.SplitFrom`): the model's checkpoint declaration
+            (``sharded_state_dict``) or megatron's marker (no declaration; models that are not
+            megatron modules).
+        note: for a megatron model's param, how megatron's marker disagrees with its
+            declaration (the declaration counts), or why there is no declaration; else None.
     """
 
     name: str
@@ -57,6 +65,9 @@ class ParamRecord:
     expert: bool
     counted: bool
     reason: Optional[NotCounted]
+    tp_split: bool = False
+    split_from: SplitFrom = SplitFrom.MARKER
+    note: Optional[str] = None
 
     @property
     def numel(self) -> int:
@@ -70,7 +81,9 @@ class ParamRecord:
         return (
             f"ParamRecord({self.name!r}, {self.source}, {held}, "
             f"{'expert' if self.expert else 'dense'}, "
-            f"{'counted' if self.counted else 'not counted: ' + str(self.reason)})"
+            f"{'counted' if self.counted else 'not counted: ' + str(self.reason)}, "
+            f"{'tp-split' if self.tp_split else 'tp-replicated'} by {self.split_from}"
+            + (f": {self.note}" if self.note else "") + ")"
         )
 
 
@@ -98,9 +111,12 @@ class ParamRegistry:
     ) -> None:
         chunks = _model_chunks(optimizer, model)
         holdings = read_holdings(optimizer, comm)
+        structure = ModelStructure.of(chunks)
         self.sees_frozen_params = chunks is not None
+        # What the model's checkpoint declarations said (read once per build, no collective).
+        self.declarations: Declarations = structure.declarations
         self.records: list[ParamRecord] = _build_records(
-            holdings, chunks, coords=coords, comm=comm, count_frozen=count_frozen
+            holdings, chunks, structure, coords=coords, comm=comm, count_frozen=count_frozen
         )
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = chunks
@@ -137,10 +153,21 @@ class ParamRegistry:
             if not r.counted:
                 by_reason[r.reason or "?"] = by_reason.get(r.reason or "?", 0) + 1
         skipped = ", ".join(f"{n} {k}" for k, n in sorted(by_reason.items())) or "none"
+        declared = sum(r.split_from == SplitFrom.DECLARATION for r in self.records)
+        noted = sum(r.note is not None for r in self.records)
         return (
             f"{len(self.records)} params, {len(self.counted)} counted here "
-            f"({self.counted_numel} elements); not counted: {skipped}"
+            f"({self.counted_numel} elements); not counted: {skipped}; TP split from "
+            f"declarations for {declared}, markers for {len(self.records) - declared}"
+            + (f" ({noted} noted: see the records' note)" if noted else "")
+            + (f"; declarations {self.declarations.caveat}" if self.declarations.caveat else "")
         )
+
+    @property
+    def noted(self) -> list[ParamRecord]:
+        """Records whose marker disagrees with the declaration, or that have no declaration
+        although the model is a megatron model (see :attr:`ParamRecord.note`)."""
+        return [r for r in self.records if r.note is not None]
 
 
 def _model_chunks(optimizer: Any, model: Any) -> Optional[list[torch.nn.Module]]:
@@ -172,6 +199,7 @@ def named_model_params(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str,
 def _build_records(
     holdings: Sequence[Holding],
     chunks: Optional[Sequence[torch.nn.Module]],
+    structure: ModelStructure,
     *,
     coords: RankCoords,
     comm: Communicator,
@@ -197,10 +225,10 @@ def _build_records(
         named: Iterable[tuple[str, torch.nn.Parameter]] = (
             (f"param{i}", h.param) for i, h in enumerate(holdings)
         )
-        structure, global_names = ModelStructure(), {}
+        global_names: dict[int, str] = {}
     else:
         named = named_model_params(chunks)
-        structure, global_names = ModelStructure.of(chunks), global_param_names(chunks)
+        global_names = global_param_names(chunks)
 
     records: list[ParamRecord] = []
     for name, param in named:
@@ -280,4 +308,7 @@ def _record(
         expert=traits.expert,
         counted=reason is None,
         reason=reason,
+        tp_split=traits.tp_split,
+        split_from=traits.split_from,
+        note=traits.note,
     )

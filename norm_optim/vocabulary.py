@@ -1,7 +1,7 @@
-"""The two vocabularies of a :class:`~norm_optim.registry.ParamRecord`, one definition each.
+"""The vocabularies of a :class:`~norm_optim.registry.ParamRecord`, one definition each.
 
-Both are ``str`` enums: they compare equal to, and print as, the words the summary and the
-README use (``main-shard``, ``tp-duplicate``...).
+All are ``str`` enums: they compare equal to, and print as, the words the summary and the
+README use (``main-shard``, ``tp-duplicate``, ``declaration``...).
 """
 
 from __future__ import annotations
@@ -48,3 +48,10 @@ class NotCounted(_Word):
     OTHER_INSTANCE = "other-instance"  # another distributed-optimizer instance's shards count
     HELD_ELSEWHERE = "held-elsewhere"  # this rank holds nothing of it
     FROZEN_EXCLUDED = "frozen-excluded"  # frozen, and count_frozen=False
+
+
+class SplitFrom(_Word):
+    """Where a param's TP split (split or replicated across TP) is taken from."""
+
+    DECLARATION = "declaration"  # the model's checkpoint declaration (sharded_state_dict)
+    MARKER = "marker"  # megatron's tensor_model_parallel marker, or else the layer table

@@ -37,6 +37,10 @@ GTP_MOE = dataclasses.replace(GTP_DENSE, num_experts=4, moe_ffn_hidden_size=40)
 MTP = dataclasses.replace(DENSE, mtp_num_layers=1, position_embedding_type="rope")
 # HybridModel (GPTModel's successor since 0.19): attention, MLP and MoE layers in one stack.
 HYBRID = dataclasses.replace(MOE, hybrid_layer_pattern="*-E*-E")
+# Learnable attention sinks (gpt-oss style): a softmax_offset per attention layer, one value per
+# head, split over TP but without megatron's tensor_model_parallel marker.
+SINKS = dataclasses.replace(SMALL, softmax_type="learnable")
+SINKS_MOE = dataclasses.replace(SMALL_MOE, softmax_type="learnable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,8 @@ class Layout:
 
     def marks(self) -> list[Any]:
         """Skips, with the reason, where this megatron-core cannot build the layout."""
+        if self.cfg.softmax_type != "vanilla" and not _has_config_field("softmax_type"):
+            return [pytest.mark.skip(reason="this megatron-core has no softmax_type")]
         if self.cfg.hybrid_layer_pattern and not megatron_at_least(0, 19):
             return [pytest.mark.skip(reason="HybridModel exists since megatron-core 0.19")]
         if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
@@ -98,6 +104,12 @@ def filled_oracle(chunks: list, optimizer: Any, seed: int) -> float:
     ``seed``; return the exact norm they must give."""
     fill_deterministic_(chunks, seed, optimizer=optimizer)
     return oracle_norm(global_param_shapes(chunks), seed)
+
+
+def _has_config_field(name: str) -> bool:
+    from megatron.core.transformer import TransformerConfig
+
+    return name in {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
 def _has_emerging() -> bool:

@@ -16,7 +16,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = {"case", "kind", "world", "numel", "tensors", "layout", "device", "threads", "calls",
           "memory_method", "local_numel", "local_tensors", "method", "median_s",
-          "extra_peak_bytes", "collectives", "host_syncs", "rel_error", "value", "reference"}
+          "extra_peak_bytes", "collectives", "host_syncs", "rel_error", "value", "reference",
+          "registry_build_s", "declarations_s"}
 ENVIRONMENT = {"date", "machine", "processor", "cpus", "python", "torch", "cuda",
                "norm_optim_sources_sha1", "wall_s", "argv"}
 
@@ -40,3 +41,5 @@ def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
         if row["method"] == "norm_optim":
             assert row["collectives"] == 1 and row["host_syncs"] == 0
             assert row["rel_error"] <= 1e-6
+        # Reading the declarations is part of the registry build.
+        assert row["declarations_s"] > 0 and row["registry_build_s"] > 0

@@ -60,6 +60,21 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_wrap_table(rows: Sequence[Row]) -> str:
+    """Once per case: the registry build (at wrap time, and after the optimizer replaced its
+    tensors), and the part of it that reads the model's sharding declarations."""
+    lines = ["| case | world | tensors | registry build ms | of which declarations ms | "
+             "x without them |", "|---|---:|---:|---:|---:|---:|"]
+    for (case, world), methods in by_case(rows).items():
+        r = next(iter(methods.values()))
+        if "registry_build_s" not in r:
+            continue  # rows of a run before this was measured
+        build, decl = r["registry_build_s"], r["declarations_s"]
+        lines.append(f"| {case} | {world} | {r['tensors']} | {build * 1e3:.3g} | "
+                     f"{decl * 1e3:.3g} | {build / max(build - decl, 1e-12):.2f} |")
+    return "\n".join(lines)
+
+
 def _verdict(bad: Sequence[Row], show: Callable[[Row], str]) -> str:
     return "met" if not bad else "MISSED: " + ", ".join(
         f"{r['case']}/w{r['world']} {show(r)}" for r in bad)
@@ -137,7 +152,8 @@ def summary(rows: Sequence[Row], env: Mapping[str, Any]) -> str:
     """The table, the targets and one line on the run, as printed after a run."""
     targets = "\n".join(f"- {line}" for line in check_targets(rows))
     memory = rows[0]["memory_method"] if rows else "-"
-    return (f"{format_table(rows)}\n\n{targets}\n\n# {len(rows)} rows in {env['wall_s']:.0f} s "
+    return (f"{format_table(rows)}\n\n{format_wrap_table(rows)}\n\n{targets}\n\n"
+            f"# {len(rows)} rows in {env['wall_s']:.0f} s "
             f"on {env['cpus']} CPUs ({env['processor']}), torch {env['torch']}; memory: {memory}")
 
 

@@ -21,6 +21,7 @@ from .measure import Options, measure_methods, merge_ranks
 from .memory import PeakMemory
 from .methods import methods_for
 from .reference import reference_norm
+from .wrap_cost import wrap_cost
 
 Row = dict[str, Any]
 
@@ -39,14 +40,16 @@ def run_case(case: Case, opts: Options) -> list[Row]:
         local = measure_methods(methods, device, opts)
     counted = bench.wrapped.registry.counted
     mine = {"local_numel": sum(r.numel for r in counted), "local_tensors": len(counted),
-            "measurements": local}
+            "measurements": local, **wrap_cost(bench)}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     meta = dict(case=case.name, kind=case.kind, world=dist.get_world_size(), numel=numel,
                 tensors=tensors, layout=case.layout, device=device.type, threads=opts.threads,
                 calls=opts.calls, memory_method=PeakMemory(device).method,
                 local_numel=max(g["local_numel"] for g in gathered),
-                local_tensors=max(g["local_tensors"] for g in gathered))
+                local_tensors=max(g["local_tensors"] for g in gathered),
+                registry_build_s=max(g["registry_build_s"] for g in gathered),
+                declarations_s=max(g["declarations_s"] for g in gathered))
     return [{**meta, "method": name,
              **merge_ranks([g["measurements"][name] for g in gathered], reference)}
             for name, _ in methods]

@@ -10,16 +10,22 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   stand-ins it swaps into the module (:func:`model_param` maps them back).
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
-- :mod:`.params` — per-param traits from megatron's markers and the model's structure: expert,
-  TP-split, GTP-sharded (and its pad rows), tied copy.
+- :mod:`.declarations` — how the model's checkpoint declarations (``sharded_state_dict``) split
+  each param: the source of the TP split.
+- :mod:`.params` — per-param traits from the declarations, megatron's markers and the model's
+  structure: expert, TP-split (and where that came from), GTP-sharded (and its pad rows), tied
+  copy.
 """
 
+from .declarations import Declaration, Declarations, read_declarations
 from .fsdp import model_param
 from .optimizers import Holding, fingerprint, leaves, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
 
 __all__ = [
+    "Declaration",
+    "Declarations",
     "Holding",
     "ModelStructure",
     "ParamTraits",
@@ -29,6 +35,7 @@ __all__ = [
     "model_param",
     "param_traits",
     "rank_coords",
+    "read_declarations",
     "read_holdings",
     "where",
     "without_padding",

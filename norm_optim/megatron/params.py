@@ -1,10 +1,15 @@
 """What a model param *is*, as far as counting goes: expert, TP-split, GTP-sharded, tied.
 
-Megatron marks params with attributes (``allreduce=False`` for experts, ``tensor_model_parallel``
-for TP-split weights, ``is_gtp_weight_remat`` for GTP shards, ``shared`` for tied copies), but
-not always: experts are marked only at EP > 1 (before 0.19), split weights only when megatron
-initializes them (before 0.18.2). The model's module structure fills those gaps. The counting
-rule (:mod:`norm_optim.ownership`) reads only the :class:`ParamTraits` built here.
+Whether TP splits a param is taken from the model's own checkpoint declarations
+(:mod:`.declarations`: what ``sharded_state_dict`` says every rank saves), which cover every
+param megatron saves, learnable attention sinks included. Megatron's markers
+(``tensor_model_parallel``, set by hand in a few layers, and only when megatron initializes the
+weights before 0.18.2) plus a table of layer classes are the fallback for a param with no
+declaration, and a cross-check: where they disagree with the declaration, the declaration wins
+and the traits say so. The other traits come from markers (``allreduce=False`` for experts,
+``is_gtp_weight_remat`` for GTP shards, ``shared`` for tied copies) and, where megatron leaves
+them out (experts are marked only at EP > 1 before 0.19), from the module structure. The
+counting rule (:mod:`norm_optim.ownership`) reads only the :class:`ParamTraits` built here.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from ..comm import Communicator
 from ..kernels import Summand
 from ..kernels.remainders import flat_slice
+from ..vocabulary import SplitFrom
+from .declarations import Declaration, Declarations, read_declarations
 from .fsdp import model_param
 
 
@@ -27,15 +34,24 @@ class ModelStructure:
     experts: frozenset[int] = frozenset()
     tp_split: frozenset[int] = frozenset()
     unused_tied_outputs: frozenset[int] = frozenset()
+    declarations: Declarations = Declarations()
+    # The (expert-)TP sizes the model was built for: a marker/declaration mismatch at size 1
+    # is no disagreement (nothing to split).
+    tp_size: int = 1
+    expert_tp_size: int = 1
 
     @classmethod
     def of(cls, chunks: Optional[Sequence[torch.nn.Module]]) -> "ModelStructure":
         if chunks is None:
             return cls()
+        tp_size, expert_tp_size = _tp_sizes(chunks)
         return cls(
             frozenset(expert_param_ids(chunks)),
             frozenset(tensor_parallel_split_ids(chunks)),
             frozenset(unused_tied_output_ids(chunks)),
+            read_declarations(chunks),
+            tp_size,
+            expert_tp_size,
         )
 
 
@@ -53,6 +69,10 @@ class ParamTraits:
         gtp_peers: global ranks of the GTP group that shards it (empty if none).
         tied_copy: a copy of a tied weight held elsewhere too (megatron's ``shared``), or an
             output weight that tied embeddings leave unused.
+        split_from: where ``tp_split`` comes from: the model's checkpoint declaration, or
+            megatron's marker and the layer table (no declaration, or not a megatron model).
+        note: why the markers were used for a megatron model's param, or how they disagree
+            with its declaration (the declaration wins); None when all agree.
     """
 
     expert: bool
@@ -61,22 +81,67 @@ class ParamTraits:
     padding: int = 0
     gtp_peers: frozenset[int] = frozenset()
     tied_copy: bool = False
+    split_from: SplitFrom = SplitFrom.MARKER
+    note: Optional[str] = None
 
 
 def param_traits(param: torch.Tensor, structure: ModelStructure, comm: Communicator) -> ParamTraits:
-    """The :class:`ParamTraits` of a model param, from megatron's markers and the structure."""
+    """The :class:`ParamTraits` of a model param, from its declaration, megatron's markers and
+    the structure."""
     expert = not getattr(param, "allreduce", True) or id(param) in structure.experts
-    tp_split = getattr(param, "tensor_model_parallel", None)
-    if tp_split is None:
-        tp_split = id(param) in structure.tp_split
+    split_from, tp_split, note = _tp_split(param, expert, structure)
     tied_copy = bool(getattr(param, "shared", False)) or id(param) in structure.unused_tied_outputs
+    traits = ParamTraits(expert, tp_split, tied_copy=tied_copy, split_from=split_from, note=note)
     if not getattr(param, "is_gtp_weight_remat", False):
-        return ParamTraits(expert, bool(tp_split), tied_copy=tied_copy)
+        return traits
     group = getattr(param, "group", None)
     peers = comm.group_ranks(group) if group is not None else frozenset()
-    return ParamTraits(
-        expert, bool(tp_split), True, _gtp_padding(param, comm), peers, tied_copy=tied_copy
+    return dataclasses.replace(
+        traits, gtp_sharded=True, padding=_gtp_padding(param, comm), gtp_peers=peers
     )
+
+
+def marked_tp_split(param: torch.Tensor, structure: ModelStructure) -> bool:
+    """What megatron's ``tensor_model_parallel`` marker, or else the layer table, says."""
+    marked = getattr(param, "tensor_model_parallel", None)
+    return bool(id(param) in structure.tp_split if marked is None else marked)
+
+
+def _tp_split(
+    param: torch.Tensor, expert: bool, structure: ModelStructure
+) -> tuple[SplitFrom, bool, Optional[str]]:
+    """(where it comes from, whether TP splits the param, a note) -- the declaration wins."""
+    marked = marked_tp_split(param, structure)
+    declarations = structure.declarations
+    declared: Optional[Declaration] = declarations.by_param.get(id(param))
+    if declared is None:
+        if declarations.unavailable is not None:
+            return SplitFrom.MARKER, marked, f"declarations {declarations.unavailable}"
+        note = "no sharding declaration" if declarations.read else None
+        return SplitFrom.MARKER, marked, note
+    size = structure.expert_tp_size if expert else structure.tp_size
+    if size == 1 or declared.split == marked:
+        # GTP (megatron-core >= 0.19) folds its dim-0 shards into the same fragments where its
+        # checkpoint helper is active (with Transformer Engine); it shards only TP-split
+        # weights, so at TP > 1 "split" still means split by TP.
+        return SplitFrom.DECLARATION, declared.split, None
+    flag = getattr(param, "tensor_model_parallel", None)
+    source = ("layer table" if marked else "no marker, not in the layer table") if flag is None \
+        else f"tensor_model_parallel={flag}"
+    return SplitFrom.DECLARATION, declared.split, (
+        f"{declared.describe()} as {declared.key!r}, but the markers say "
+        f"{'TP-split' if marked else 'replicated'} ({source}): the declaration counts"
+    )
+
+
+def _tp_sizes(chunks: Sequence[torch.nn.Module]) -> tuple[int, int]:
+    """The TP and expert-TP sizes in the model's config (1, 1 when it has none)."""
+    config = next((getattr(m, "config", None) for c in chunks for m in c.modules()
+                   if hasattr(getattr(m, "config", None), "tensor_model_parallel_size")), None)
+    # megatron/core/transformer/transformer_config.py (0.14-0.19): ETP None means TP.
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    expert_tp = getattr(config, "expert_tensor_parallel_size", None)
+    return tp, int(expert_tp or tp)
 
 
 def _gtp_padding(param: Any, comm: Communicator) -> int:

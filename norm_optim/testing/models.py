@@ -42,6 +42,8 @@ class TinyGPTConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"
+    # Shared experts (dense MLPs beside the routed ones, split over TP): their hidden size.
+    moe_shared_expert_intermediate_size: int | None = None
     tie_embeddings: bool = True
     # None: biases for a dense model, none for MoE (Megatron refuses MoE biases when ETP > 1).
     add_bias_linear: bool | None = None
@@ -58,6 +60,11 @@ class TinyGPTConfig:
     # embedding there: megatron marks it ``shared``).
     mtp_num_layers: int = 0
     position_embedding_type: str = "learned_absolute"
+    # Attention sinks (megatron's ``softmax_type``): "learnable" gives every attention layer a
+    # ``softmax_offset`` param of one value per head, split over TP; "off-by-one" a zero buffer.
+    softmax_type: str = "vanilla"
+    # SwiGLU MLPs: megatron saves ``linear_fc1`` as two TP-split halves (a ShardedTensorFactory).
+    gated_linear_unit: bool = False
 
 
 def transformer_config(cfg: TinyGPTConfig) -> Any:
@@ -77,6 +84,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
             moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or ffn,
             moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
             moe_router_dtype="fp32",  # lets the router weight be kept fp32 (``fp32_params``)
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
@@ -104,6 +112,9 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         use_cpu_initialization=True,
         perform_initialization=cfg.perform_initialization,
         **({"mtp_num_layers": cfg.mtp_num_layers} if cfg.mtp_num_layers else {}),
+        **({"softmax_type": cfg.softmax_type} if cfg.softmax_type != "vanilla" else {}),
+        **({"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
+           if cfg.gated_linear_unit else {}),
         bf16=cfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -20,6 +20,7 @@ so the fp32 main params pick up the new values. Nothing here uses norm_optim lib
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import zlib
@@ -95,14 +96,36 @@ def named_global_parameters(
             yield _global_name(gpt, name), getattr(param, "orig_param", param)
 
 
-def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
+# Learnable attention sinks: one value per attention head, each TP rank holding its heads'
+# values (megatron builds ``num_attention_heads / TP`` of them per rank and sets no
+# ``tensor_model_parallel`` marker, so the oracle knows them by name).
+_SINK = ".self_attention.core_attention.softmax_offset"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How TP splits a param: this rank's index, the group size, the dim and its stride."""
+
+    rank: int = 0
+    size: int = 1
+    dim: int = 0
+    stride: int = 1
+
+
+def _tp_split(name: str, param: torch.Tensor) -> _Split:
     from megatron.core import parallel_state as ps
 
+    if name.endswith(_SINK):
+        return _Split(ps.get_tensor_model_parallel_rank(),
+                      ps.get_tensor_model_parallel_world_size())
     if not getattr(param, "tensor_model_parallel", False):
-        return 0, 1
+        return _Split()
     if _is_expert(name):
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    else:
+        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    return _Split(rank, size, getattr(param, "partition_dim"),
+                  getattr(param, "partition_stride", 1))
 
 
 def _gtp_rows(param: torch.Tensor) -> tuple[int, int] | None:
@@ -130,10 +153,10 @@ def _tp_local_shape(param: torch.Tensor) -> list[int]:
 
 
 def _global_shape(name: str, param: torch.Tensor) -> tuple[int, ...]:
-    _, size = _tp_rank_and_size(name, param)
+    split = _tp_split(name, param)
     shape = _tp_local_shape(param)
-    if size > 1:
-        shape[getattr(param, "partition_dim")] *= size
+    if split.size > 1:
+        shape[split.dim] *= split.size
     return tuple(shape)
 
 
@@ -144,7 +167,7 @@ def _global_flat_index(name: str, param: torch.Tensor) -> tuple[torch.Tensor, to
     Megatron splits the partition dim into ``size * stride`` blocks and gives rank ``r`` blocks
     ``r, r + size, ...`` (``_initialize_affine_weight_cpu``); GTP then shards dim 0 of that.
     """
-    rank, size = _tp_rank_and_size(name, param)
+    split = _tp_split(name, param)
     global_shape = _global_shape(name, param)
     tp_local = _tp_local_shape(param)
     gtp = _gtp_rows(param)
@@ -159,9 +182,9 @@ def _global_flat_index(name: str, param: torch.Tensor) -> tuple[torch.Tensor, to
             coord = coord + gtp[0]
             padding |= (coord >= gtp[1]).view(view)
             coord = coord.clamp(max=gtp[1] - 1)
-        if size > 1 and dim == getattr(param, "partition_dim"):
-            block = tp_local[dim] // getattr(param, "partition_stride", 1)
-            coord = ((coord // block) * size + rank) * block + coord % block
+        if split.size > 1 and dim == split.dim:
+            block = tp_local[dim] // split.stride
+            coord = ((coord // block) * split.size + split.rank) * block + coord % block
         index += coord.view(view) * strides[dim]
     return index, padding
 
