@@ -24,6 +24,9 @@ GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sha
                            param's zero pad rows count as nothing       pads trimmed (registry)
 Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
                            (over DP×CP; expert-DP for experts)          is False
+torch FSDP2 / DTensor      ``Shard`` mesh axes partition it: every      ``Holding.
+(fully_shard, HSDP,        rank; ``Replicate`` axes: coordinate 0;      replica_coords``
+TP × FSDP meshes)          megatron's TP markers still apply on top     (placements)
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================
@@ -60,6 +63,9 @@ class RankCoords:
         experts_need_model: True at EP = 1 with expert-TP / expert-DP groups that differ from
             the dense ones: megatron marks expert params only at EP > 1, so only the model's
             structure can tell them apart.
+        parallel_state: False when several ranks run without megatron's parallel state
+            (torch-native training): only DTensors, whose placements say which rank holds what,
+            can be counted then.
     """
 
     tp: int = 0
@@ -72,6 +78,7 @@ class RankCoords:
     expert_gtp: int = 0
     expert_groups_known: bool = True
     experts_need_model: bool = False
+    parallel_state: bool = True
 
 
 def why_not_counted(
@@ -83,6 +90,7 @@ def why_not_counted(
     tied_copy: bool,
     shard_group: Optional[frozenset[int]] = None,
     gtp_sharded: bool = False,
+    replica_coords: tuple[int, ...] = (),
 ) -> Optional[NotCounted]:
     """The reason this rank must not count a param's tensor, or None if it counts it.
 
@@ -101,6 +109,8 @@ def why_not_counted(
             ranks other than 0 hold copies.
         tied_copy: whether the param is a copy of a tied weight counted elsewhere (megatron's
             ``shared``, or an output weight tying leaves unused).
+        replica_coords: for a DTensor, this rank's coordinate on each mesh axis that
+            replicates it; only the ranks at 0 on all of them count it.
     """
     if tied_copy:
         return NotCounted.SHARED
@@ -113,6 +123,8 @@ def why_not_counted(
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:
         return NotCounted.DP_REPLICA
+    if any(replica_coords):
+        return NotCounted.MESH_REPLICA
     first = coords.expert_dp_first if expert else coords.dp_cp_first
     if shard_group is not None and first not in shard_group:
         return NotCounted.OTHER_INSTANCE

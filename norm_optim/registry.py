@@ -18,9 +18,11 @@ from .kernels import Summand
 from .megatron import (
     Holding,
     ModelStructure,
+    local_holding,
     model_param,
     param_traits,
     read_holdings,
+    refuse_partial_meshes,
     without_padding,
 )
 from .naming import global_param_names
@@ -203,6 +205,7 @@ def _build_records(
         structure, global_names = ModelStructure.of(chunks), global_param_names(chunks)
 
     records: list[ParamRecord] = []
+    used: list[Holding] = []
     for name, param in named:
         holding = by_param.pop(id(param), None)
         if holding is None:
@@ -212,13 +215,15 @@ def _build_records(
                     "optimizer does not know it: was the optimizer built for another model, or "
                     "was the param unfrozen after the optimizer was built?"
                 )
-            holding = Holding(param, param, Source.FROZEN, replicated=True)
+            holding = local_holding(Holding(param, param, Source.FROZEN, replicated=True))
+        used.append(holding)
         excluded = holding.source.is_frozen and not count_frozen  # also Megatron-FSDP's shards
         records.append(
             _record(name, global_names.get(id(param), name), holding, coords, structure, comm,
                     forced_reason=NotCounted.FROZEN_EXCLUDED if excluded else None)
         )
 
+    refuse_partial_meshes(used, [r.name for r in records])
     if not coords.expert_groups_known and any(r.expert for r in records):
         raise ParallelStateError(
             "the model has expert params but pg_collection has no expt_tp / expt_dp groups: "
@@ -254,6 +259,13 @@ def _record(
             "megatron's allreduce=False expert marker?"
         )
     tensor = holding.tensor
+    if not coords.parallel_state and tensor is not None and holding.mesh is None:
+        raise ParallelStateError(
+            "megatron's parallel state is not initialized but torch.distributed runs several "
+            f"ranks, and {name!r} is not a DTensor whose placements say who holds it: call "
+            "parallel_state.initialize_model_parallel(...) before wrapping the optimizer, or "
+            "pass pg_collection=..."
+        )
     if tensor is not None:
         tensor = without_padding(tensor, holding.offset, param, traits.padding)
     if forced_reason is not None:
@@ -270,6 +282,7 @@ def _record(
             shard_group=holding.shard_group,
             gtp_sharded=traits.gtp_sharded,
             tied_copy=traits.tied_copy,
+            replica_coords=holding.replica_coords,
         )
     return ParamRecord(
         name=name,

@@ -28,18 +28,14 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
     """Read the coordinates from megatron's global parallel state.
 
     In a plain single process (no ``torch.distributed``) every coordinate is 0. With several
-    processes and no parallel state, counting would be a guess, so it is an error.
+    processes and no parallel state, only DTensors can be counted (``parallel_state=False``).
     """
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        if comm.is_distributed() and comm.size(None) > 1:
-            raise ParallelStateError(
-                "megatron's parallel state is not initialized but torch.distributed runs "
-                f"{comm.size(None)} ranks: call parallel_state.initialize_model_parallel(...) "
-                "before wrapping the optimizer, or pass pg_collection=..."
-            )
-        return RankCoords()
+        # Torch-native (FSDP2) training needs none: its DTensors' placements say it all, and
+        # the registry refuses any other tensor when several ranks run.
+        return RankCoords(parallel_state=not (comm.is_distributed() and comm.size(None) > 1))
     # Since 0.19 the DP getters include the GTP weight-remat axis by default; the
     # distributed optimizer shards (and replicas are told apart) over the group without it.
     replicate = _without_gtp_remat(ps)

@@ -408,11 +408,16 @@ def train_step(
 
 def unwrap_gpt(chunk: torch.nn.Module) -> Any:
     """The GPTModel inside a model chunk's DDP (or Megatron-FSDP) and Float16Module wrappers."""
-    from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        FullyShardedDataParallel,
+        TorchFullyShardedDataParallel,
+    )
     from megatron.core.distributed.fsdp.src.megatron_fsdp import MegatronFSDP
     from megatron.core.transformer.module import Float16Module
 
-    wrappers = (DistributedDataParallel, FullyShardedDataParallel, MegatronFSDP, Float16Module)
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel, TorchFullyShardedDataParallel,
+                MegatronFSDP, Float16Module)
     while isinstance(chunk, wrappers):
         chunk = chunk.module
     return chunk
