@@ -23,6 +23,7 @@ from .megatron import (
     param_traits,
     read_holdings,
     refuse_partial_meshes,
+    is_fsdp2_model,
     without_padding,
 )
 from .naming import global_param_names
@@ -209,6 +210,13 @@ def _build_records(
     for name, param in named:
         holding = by_param.pop(id(param), None)
         if holding is None:
+            if param.requires_grad and chunks is not None and is_fsdp2_model(chunks):
+                raise UnknownParamError(
+                    f"model param {name!r} is not a tensor the optimizer owns, in a torch FSDP2 "
+                    "model: FSDP2 holds the params unsharded now (between a forward and its "
+                    "backward)? Build or refresh the norm after the backward, or call "
+                    "model.reshard() first"
+                )
             if param.requires_grad:
                 raise UnknownParamError(
                     f"model param {name!r} (shape {tuple(param.shape)}) requires grad but the "

@@ -16,7 +16,7 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   TP-split, GTP-sharded (and its pad rows), tied copy.
 """
 
-from .dtensor import local_holding, refuse_partial_meshes
+from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
 from .optimizers import Holding, fingerprint, leaves, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
@@ -33,6 +33,7 @@ __all__ = [
     "model_param",
     "param_traits",
     "rank_coords",
+    "is_fsdp2_model",
     "read_holdings",
     "refuse_partial_meshes",
     "where",

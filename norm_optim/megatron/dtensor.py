@@ -137,5 +137,14 @@ def refuse_partial_meshes(holdings: Sequence[Holding], names: Sequence[str]) -> 
             )
 
 
+def is_fsdp2_model(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether any module of ``chunks`` is sharded by torch FSDP2 (``fully_shard``)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for chunk in chunks for m in chunk.modules())
+
+
 def _kind(tensor: Optional[Any]) -> str:
     return "nothing" if tensor is None else f"plain {type(tensor).__name__}"

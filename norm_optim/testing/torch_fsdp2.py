@@ -126,13 +126,13 @@ def fill_dtensor_deterministic_(
 
 
 def full_sum_of_squares(tensors: Sequence[Any]) -> float:
-    """Exact-as-float64 sum of squares of the whole tensors, DTensors gathered in full (a
-    collective over each one's mesh: call it on every rank)."""
-    total = 0.0
+    """Float64 sum of squares of the whole tensors, DTensors gathered in full (a collective over
+    each one's mesh: call it on every rank)."""
+    sums = []
     for tensor in tensors:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        total += float(full.detach().double().square().sum())
-    return total
+        sums.append(float(full.detach().double().square().sum()))
+    return math.fsum(sums)
 
 
 # ---------------------------------------------------------------------------- torch-native
@@ -191,9 +191,10 @@ def build_native_fsdp2(
     cfg: TinyTorchConfig = TinyTorchConfig(),
     seed: int = 0,
     lr: float = 1e-2,
-) -> tuple[TinyTorchLM, torch.optim.Optimizer, float]:
-    """A torch-native FSDP2 model, its AdamW, and the model's exact sum of squares before it
-    was sharded (every rank builds the same fp32 model from ``seed``; an independent oracle).
+) -> tuple[TinyTorchLM, torch.optim.Optimizer, dict[str, float]]:
+    """A torch-native FSDP2 model, its AdamW, and each param's exact (float64) sum of squares
+    before it was sharded, by name (every rank builds the same fp32 model from ``seed``: an
+    independent oracle).
 
     Args:
         mesh_shape: ``(n,)`` FSDP over ``n`` ranks; ``(r, s)`` HSDP, replicate × shard (or,
@@ -209,7 +210,7 @@ def build_native_fsdp2(
 
     torch.manual_seed(seed)
     model = TinyTorchLM(cfg)
-    exact = math.fsum(float(p.detach().double().square().sum()) for p in model.parameters())
+    exact = {name: full_sum_of_squares([p]) for name, p in model.named_parameters()}
     names = ("dp", "tp") if tp else (("replicate", "shard") if len(mesh_shape) == 2 else ("dp",))
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     fsdp_mesh = mesh
