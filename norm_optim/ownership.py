@@ -66,6 +66,9 @@ class RankCoords:
         parallel_state: False when several ranks run without megatron's parallel state
             (torch-native training): only DTensors, whose placements say which rank holds what,
             can be counted then.
+        tp_peers, expert_tp_peers, dp_cp_peers, expert_dp_peers: global ranks of this rank's
+            (expert) TP group and (expert) DP×CP group, without GTP; empty when unknown. A
+            DTensor's mesh is checked against them (:func:`mesh_conflict`).
     """
 
     tp: int = 0
@@ -79,6 +82,10 @@ class RankCoords:
     expert_groups_known: bool = True
     experts_need_model: bool = False
     parallel_state: bool = True
+    tp_peers: frozenset[int] = frozenset()
+    expert_tp_peers: frozenset[int] = frozenset()
+    dp_cp_peers: frozenset[int] = frozenset()
+    expert_dp_peers: frozenset[int] = frozenset()
 
 
 def why_not_counted(
@@ -128,4 +135,26 @@ def why_not_counted(
     first = coords.expert_dp_first if expert else coords.dp_cp_first
     if shard_group is not None and first not in shard_group:
         return NotCounted.OTHER_INSTANCE
+    return None
+
+
+def mesh_conflict(mesh: frozenset[int], *, expert: bool, coords: RankCoords) -> Optional[str]:
+    """Why a DTensor on ``mesh`` (its global ranks) cannot be counted by its placements together
+    with megatron's rules, or None.
+
+    Its placements describe its mesh only. Megatron's TP rule applies on top of them, so the mesh
+    must not span megatron TP peers (they would be dropped as duplicates although the mesh
+    shards over them); and every rank that megatron's (expert) DP×CP group says replicates the
+    param must be in the mesh (a copy outside it would be counted again).
+    """
+    tp = coords.expert_tp_peers if expert else coords.tp_peers
+    if len(mesh & tp) > 1:
+        return (f"its mesh spans ranks {sorted(mesh & tp)} of one megatron tensor-parallel group, "
+                "whose rule would drop their parts as TP duplicates")
+    dp = coords.expert_dp_peers if expert else coords.dp_cp_peers
+    if dp and not dp <= mesh:
+        return (f"megatron's data-parallel group {sorted(dp)} replicates it, but its mesh holds "
+                f"ranks {sorted(mesh)} only: the copies on ranks {sorted(dp - mesh)} are in no "
+                "placement (shard over the whole DP×CP group, or describe the replication in the "
+                "mesh, e.g. HSDP)")
     return None

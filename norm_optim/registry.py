@@ -27,7 +27,7 @@ from .megatron import (
     without_padding,
 )
 from .naming import global_param_names
-from .ownership import RankCoords, why_not_counted
+from .ownership import RankCoords, mesh_conflict, why_not_counted
 from .vocabulary import NotCounted, Source
 
 
@@ -266,6 +266,10 @@ def _record(
             "fp32 shards do not cover the weight, so no norm of it is exact. Is the param missing "
             "megatron's allreduce=False expert marker?"
         )
+    conflict = mesh_conflict(holding.mesh, expert=traits.expert, coords=coords) \
+        if holding.mesh is not None else None
+    if conflict is not None:
+        raise ParallelStateError(f"{name!r} is a DTensor that norm_optim cannot count: {conflict}")
     tensor = holding.tensor
     if not coords.parallel_state and tensor is not None and holding.mesh is None:
         raise ParallelStateError(

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim.errors import UnknownParamError, UnsupportedOptimizerError
+from norm_optim.errors import ParallelStateError, UnknownParamError, UnsupportedOptimizerError
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
@@ -392,6 +392,12 @@ def _refused(kind: str) -> str:
     world = torch.distributed.get_world_size()
     if kind == "sub-mesh":
         model, inner, _ = build_native_fsdp2((2, 2), tp=True, tp_every_param=False)
+    elif kind == "megatron-dp-outside-mesh":  # megatron's DP is the world, FSDP covers 2 ranks
+        init_parallel()
+        model, inner = _sharded_on_half()
+    elif kind == "megatron-tp-inside-mesh":  # megatron says TP2, FSDP shards over all 4
+        init_parallel(tp=2)
+        model, inner, _ = build_native_fsdp2((world,))
     else:
         mesh = init_device_mesh("cpu", (world,))
         if kind == "partial":
@@ -404,22 +410,43 @@ def _refused(kind: str) -> str:
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         NormAwareOptimizer(inner, model=model)
-    except UnsupportedOptimizerError as error:
-        return str(error)
+    except (UnsupportedOptimizerError, ParallelStateError) as error:
+        return f"{type(error).__name__}: {error}"
     return "accepted"
+
+
+def _sharded_on_half() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model ``fully_shard``-ed over the 2 ranks of its half of the world (plain copies on
+    the other half, as DDP across FSDP groups would keep them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from norm_optim.testing.torch_fsdp2 import TinyTorchLM
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = TinyTorchLM()
+    fully_shard(model, mesh=mesh["shard"])
+    return model, torch.optim.AdamW(model.parameters())
 
 
 @pytest.mark.parametrize("kind, world, words", [
     ("partial", 2, ["Partial", "pending"]),
     ("uneven", 2, ["local tensor has shape (3,)", "give (2,)"]),
     ("sub-mesh", 4, ["'embed.weight'", "ranks [0, 1, 2, 3]", "Replicate on the TP axis"]),
+    ("megatron-dp-outside-mesh", 4, ["ParallelStateError", "data-parallel group [0, 1, 2, 3]",
+                                     "in no placement"]),
+    ("megatron-tp-inside-mesh", 4, ["ParallelStateError", "tensor-parallel group"]),
 ])
 def test_placements_that_cannot_be_counted_are_refused(kind: str, world: int,
                                                         words: list[str]) -> None:
-    """A Partial (pending-sum) placement, local data that is not the placements' shard, and a
-    param left on the FSDP sub-mesh of a TP × FSDP model (its TP copies are in no placement):
-    each a clear error naming it, on every rank, never a number."""
-    for message in run_ranks(_refused, world, kind, cpu_shim=False, timeout=TIMEOUT):
+    """A Partial (pending-sum) placement, local data that is not the placements' shard, a param
+    left on the FSDP sub-mesh of a TP × FSDP model (its TP copies are in no placement), and
+    meshes that contradict megatron's parallel state (copies in megatron's DP group outside the
+    mesh; a mesh across megatron's TP peers): each a clear error naming it, on every rank,
+    never a number."""
+    cpu_shim = kind.startswith("megatron")
+    for message in run_ranks(_refused, world, kind, cpu_shim=cpu_shim, timeout=TIMEOUT):
         for word in words:
             assert word in message, message
 

@@ -19,8 +19,11 @@ DTensor on a smaller mesh than other params of the same model on this rank (a pa
 ``parallelize_module`` lives on the FSDP sub-mesh while its copies sit on the other TP ranks,
 which its placements do not mention).
 
-Ranks outside every mesh of this rank's params hold other params (pipeline stages): a mesh is
-the whole story of the params on it.
+Without megatron's parallel state (torch-native training) ranks outside every mesh of this
+rank's params are taken to hold other params (pipeline stages): a copy of a whole FSDP group kept
+outside DTensor (DDP across FSDP groups) is in no placement; describe it as HSDP. With megatron's
+parallel state the registry checks each mesh against megatron's groups
+(:func:`norm_optim.ownership.mesh_conflict`).
 """
 
 from __future__ import annotations

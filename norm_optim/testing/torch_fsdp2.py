@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -119,8 +119,8 @@ def fill_dtensor_deterministic_(
 
     for name, param in named_global_parameters(model_chunks):
         values = deterministic_values(name, param, seed).to(param.dtype)
-        param.copy_(distribute_tensor(values, param.device_mesh, param.placements,
-                                      src_data_rank=None))
+        mesh, placements = getattr(param, "device_mesh"), getattr(param, "placements")
+        param.copy_(distribute_tensor(values, mesh, placements, src_data_rank=None))
     if optimizer is not None:
         optimizer.reload_model_params()
 
@@ -243,8 +243,8 @@ def _parallelize(model: TinyTorchLM, tp_mesh: Any, *, every_param: bool) -> None
     parallelize_module(model, tp_mesh, plan)
     if every_param:
         # The odd-sized gate pair stays whole on every TP rank (no TP split of 5 rows).
-        replicated = [model.norm, *(m for layer in model.layers
-                                    for m in (layer.norm, layer.gate, layer.ungate))]
+        blocks = [cast(_Block, layer) for layer in model.layers]
+        replicated = [model.norm, *(m for b in blocks for m in (b.norm, b.gate, b.ungate))]
         for module in replicated:
             _replicate(module, tp_mesh)
 
@@ -259,7 +259,9 @@ def _replicate(module: torch.nn.Module, mesh: Any) -> None:
     def outputs(_: Any, output: Any, device_mesh: Any) -> Any:
         return output.to_local()
 
-    distribute_module(module, mesh, input_fn=inputs, output_fn=outputs)
+    # torch registers input_fn as a forward pre-hook, whose return value replaces the inputs
+    # (its annotation says None).
+    distribute_module(module, mesh, input_fn=inputs, output_fn=outputs)  # type: ignore[arg-type]
 
 
 def native_train_step(model: TinyTorchLM, optimizer: torch.optim.Optimizer, seed: int) -> float:
