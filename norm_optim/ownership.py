@@ -26,6 +26,9 @@ GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sha
                            param's zero pad rows count as nothing       pads trimmed (registry)
 Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
                            (over DP×CP; expert-DP for experts)          is False
+torch FSDP2 / DTensor      ``Shard`` mesh axes partition it: every      ``Holding.
+(fully_shard, HSDP,        rank; ``Replicate`` axes: coordinate 0;      replica_coords``
+TP × FSDP meshes)          megatron's TP markers still apply on top     (placements)
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================
@@ -62,6 +65,12 @@ class RankCoords:
         experts_need_model: True at EP = 1 with expert-TP / expert-DP groups that differ from
             the dense ones: megatron marks expert params only at EP > 1, so only the model's
             structure can tell them apart.
+        parallel_state: False when several ranks run without megatron's parallel state
+            (torch-native training): only DTensors, whose placements say which rank holds what,
+            can be counted then.
+        tp_peers, expert_tp_peers, dp_cp_peers, expert_dp_peers: global ranks of this rank's
+            (expert) TP group and (expert) DP×CP group, without GTP; empty when unknown. A
+            DTensor's mesh is checked against them (:func:`mesh_conflict`).
     """
 
     tp: int = 0
@@ -74,6 +83,11 @@ class RankCoords:
     expert_gtp: int = 0
     expert_groups_known: bool = True
     experts_need_model: bool = False
+    parallel_state: bool = True
+    tp_peers: frozenset[int] = frozenset()
+    expert_tp_peers: frozenset[int] = frozenset()
+    dp_cp_peers: frozenset[int] = frozenset()
+    expert_dp_peers: frozenset[int] = frozenset()
 
 
 def why_not_counted(
@@ -85,6 +99,7 @@ def why_not_counted(
     tied_copy: bool,
     shard_group: Optional[frozenset[int]] = None,
     gtp_sharded: bool = False,
+    replica_coords: tuple[int, ...] = (),
 ) -> Optional[NotCounted]:
     """The reason this rank must not count a param's tensor, or None if it counts it.
 
@@ -103,6 +118,8 @@ def why_not_counted(
             ranks other than 0 hold copies.
         tied_copy: whether the param is a copy of a tied weight counted elsewhere (megatron's
             ``shared``, or an output weight tying leaves unused).
+        replica_coords: for a DTensor, this rank's coordinate on each mesh axis that
+            replicates it; only the ranks at 0 on all of them count it.
     """
     if tied_copy:
         return NotCounted.SHARED
@@ -115,7 +132,31 @@ def why_not_counted(
     dp_rank = coords.expert_dp if expert else coords.dp_cp
     if replicated and dp_rank != 0:
         return NotCounted.DP_REPLICA
+    if any(replica_coords):
+        return NotCounted.MESH_REPLICA
     first = coords.expert_dp_first if expert else coords.dp_cp_first
     if shard_group is not None and first not in shard_group:
         return NotCounted.OTHER_INSTANCE
+    return None
+
+
+def mesh_conflict(mesh: frozenset[int], *, expert: bool, coords: RankCoords) -> Optional[str]:
+    """Why a DTensor on ``mesh`` (its global ranks) cannot be counted by its placements together
+    with megatron's rules, or None.
+
+    Its placements describe its mesh only. Megatron's TP rule applies on top of them, so the mesh
+    must not span megatron TP peers (they would be dropped as duplicates although the mesh
+    shards over them); and every rank that megatron's (expert) DP×CP group says replicates the
+    param must be in the mesh (a copy outside it would be counted again).
+    """
+    tp = coords.expert_tp_peers if expert else coords.tp_peers
+    if len(mesh & tp) > 1:
+        return (f"its mesh spans ranks {sorted(mesh & tp)} of one megatron tensor-parallel group, "
+                "whose rule would drop their parts as TP duplicates")
+    dp = coords.expert_dp_peers if expert else coords.dp_cp_peers
+    if dp and not dp <= mesh:
+        return (f"megatron's data-parallel group {sorted(dp)} replicates it, but its mesh holds "
+                f"ranks {sorted(mesh)} only: the copies on ranks {sorted(dp - mesh)} are in no "
+                "placement (shard over the whole DP×CP group, or describe the replication in the "
+                "mesh, e.g. HSDP)")
     return None

@@ -19,13 +19,16 @@ from .megatron import (
     Declarations,
     Holding,
     ModelStructure,
+    local_holding,
     model_param,
     param_traits,
     read_holdings,
+    refuse_partial_meshes,
+    is_fsdp2_model,
     without_padding,
 )
 from .naming import global_param_names
-from .ownership import RankCoords, why_not_counted
+from .ownership import RankCoords, mesh_conflict, why_not_counted
 from .vocabulary import NotCounted, Source, SplitFrom
 
 
@@ -231,22 +234,32 @@ def _build_records(
         global_names = global_param_names(chunks)
 
     records: list[ParamRecord] = []
+    used: list[Holding] = []
     for name, param in named:
         holding = by_param.pop(id(param), None)
         if holding is None:
+            if param.requires_grad and chunks is not None and is_fsdp2_model(chunks):
+                raise UnknownParamError(
+                    f"model param {name!r} is not a tensor the optimizer owns, in a torch FSDP2 "
+                    "model: FSDP2 holds the params unsharded now (between a forward and its "
+                    "backward)? Build or refresh the norm after the backward, or call "
+                    "model.reshard() first"
+                )
             if param.requires_grad:
                 raise UnknownParamError(
                     f"model param {name!r} (shape {tuple(param.shape)}) requires grad but the "
                     "optimizer does not know it: was the optimizer built for another model, or "
                     "was the param unfrozen after the optimizer was built?"
                 )
-            holding = Holding(param, param, Source.FROZEN, replicated=True)
+            holding = local_holding(Holding(param, param, Source.FROZEN, replicated=True))
+        used.append(holding)
         excluded = holding.source.is_frozen and not count_frozen  # also Megatron-FSDP's shards
         records.append(
             _record(name, global_names.get(id(param), name), holding, coords, structure, comm,
                     forced_reason=NotCounted.FROZEN_EXCLUDED if excluded else None)
         )
 
+    refuse_partial_meshes(used, [r.name for r in records])
     if not coords.expert_groups_known and any(r.expert for r in records):
         raise ParallelStateError(
             "the model has expert params but pg_collection has no expt_tp / expt_dp groups: "
@@ -281,7 +294,18 @@ def _record(
             "fp32 shards do not cover the weight, so no norm of it is exact. Is the param missing "
             "megatron's allreduce=False expert marker?"
         )
+    conflict = mesh_conflict(holding.mesh, expert=traits.expert, coords=coords) \
+        if holding.mesh is not None else None
+    if conflict is not None:
+        raise ParallelStateError(f"{name!r} is a DTensor that norm_optim cannot count: {conflict}")
     tensor = holding.tensor
+    if not coords.parallel_state and tensor is not None and holding.mesh is None:
+        raise ParallelStateError(
+            "megatron's parallel state is not initialized but torch.distributed runs several "
+            f"ranks, and {name!r} is not a DTensor whose placements say who holds it: call "
+            "parallel_state.initialize_model_parallel(...) before wrapping the optimizer, or "
+            "pass pg_collection=..."
+        )
     if tensor is not None:
         tensor = without_padding(tensor, holding.offset, param, traits.padding)
     if forced_reason is not None:
@@ -298,6 +322,7 @@ def _record(
             shard_group=holding.shard_group,
             gtp_sharded=traits.gtp_sharded,
             tied_copy=traits.tied_copy,
+            replica_coords=holding.replica_coords,
         )
     return ParamRecord(
         name=name,

@@ -45,6 +45,7 @@ class NotCounted(_Word):
     TP_DUPLICATE = "tp-duplicate"  # (expert-)TP rank > 0 holds a copy of a param TP does not split
     GTP_DUPLICATE = "gtp-duplicate"  # GTP rank > 0 holds a copy of a param GTP does not shard
     DP_REPLICA = "dp-replica"  # DP rank > 0 holds a whole replica
+    MESH_REPLICA = "mesh-replica"  # a DTensor replicated on a mesh axis where this rank is not 0
     OTHER_INSTANCE = "other-instance"  # another distributed-optimizer instance's shards count
     HELD_ELSEWHERE = "held-elsewhere"  # this rank holds nothing of it
     FROZEN_EXCLUDED = "frozen-excluded"  # frozen, and count_frozen=False

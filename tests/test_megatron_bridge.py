@@ -56,6 +56,7 @@ class _DeterministicWeights(Callback):  # type: ignore[misc]
     def on_train_start(self, context: CallbackContext) -> None:
         fill_deterministic_(context.model, SEED, context.optimizer)
         context.user_state["shapes"] = global_param_shapes(context.model)
+        context.user_state["wrapper"] = type(context.model[0]).__name__
 
 
 class _BridgeOwnNorm(Callback):  # type: ignore[misc]
@@ -386,3 +387,23 @@ def test_install_uninstall_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
                        match=r"megatron-bridge 0\.6\.\d+ on megatron-core \S+ has no "
                              r"train\.training_log;"):
         megatron_bridge.install()
+
+
+TORCH_FSDP2_LAYOUTS = {"dense DP2": (2, {}), "dense TP2 x DP2 (4 ranks)": (4, {"tp": 2})}
+
+
+@pytest.mark.parametrize("name", TORCH_FSDP2_LAYOUTS)
+def test_torch_fsdp2(name: str, tmp_path: Path) -> None:
+    """torch FSDP2 (``dist.use_torch_fsdp2``: megatron's ``TorchFullyShardedDataParallel``,
+    Float16 optimizer, untied embeddings): the logged norm is exact. Oracle: the shapes of the
+    same untied model at world 1. Bridge's own function (its own DTensor walk) agrees here."""
+    world, layout = TORCH_FSDP2_LAYOUTS[name]
+    options = dict(torch_fsdp2=True, use_distributed_optimizer=False)
+    (alone,) = _run(tmp_path / "world1", 1, **options)
+    expected, _, _ = _oracle(alone.user_state["shapes"])
+    ranks = _run(tmp_path, world, **options, **layout)
+
+    assert ranks[-1].user_state["wrapper"] == "TorchFullyShardedDataParallel"
+    _assert_logged_norm(tmp_path, ranks, expected)
+    for bridge in ranks[-1].user_state["bridge"]:
+        assert bridge == pytest.approx(expected, rel=1e-5)

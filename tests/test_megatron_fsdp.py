@@ -442,29 +442,6 @@ def test_hybrid_fsdp_with_experts_is_refused() -> None:
     assert "hybrid Megatron-FSDP" in message and "experts" in message
 
 
-def _torch_fsdp2_body() -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from norm_optim import NormAwareOptimizer
-
-    init_parallel()  # DP 2, as a megatron script would have it
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    fully_shard(model, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
-    try:
-        NormAwareOptimizer(torch.optim.Adam(model.parameters()), model=model)
-    except UnsupportedOptimizerError as exc:
-        return str(exc)
-    return "accepted"
-
-
-def test_torch_fsdp2_is_refused() -> None:
-    """torch FSDP2 (``fully_shard``): DTensor shards with no megatron buffers to read."""
-    message = run_ranks(_torch_fsdp2_body, 2, cpu_shim=False, timeout=TIMEOUT)[0]
-    assert "torch FSDP2" in message
-
-
 def _patches_body() -> list[bool]:
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp

@@ -167,6 +167,33 @@ def test_pretrain_logs_the_oracle_norm(layout: str) -> None:
     _assert_serves_oracle(results)
 
 
+# Megatron-LM's --use-torch-fsdp2 allows no distributed optimizer and untied embeddings only.
+TORCH_FSDP2 = ("--use-torch-fsdp2", "--untie-embeddings-and-output-weights")
+TORCH_FSDP2_LAYOUTS = {"dp2": (2, {}), "tp2-dp2": (4, dict(tp=2))}
+
+
+@needs_loop
+@pytest.mark.parametrize("layout", TORCH_FSDP2_LAYOUTS)
+def test_pretrain_with_torch_fsdp2_logs_the_oracle_norm(layout: str) -> None:
+    """``--use-torch-fsdp2``: Megatron's own loop prints each rank's bf16 shard norm (about
+    1/sqrt(DP) of the truth); with install() it prints the oracle, as the same run without
+    FSDP2 does."""
+    world, layout_options = TORCH_FSDP2_LAYOUTS[layout]
+    dp = world // layout_options.get("tp", 1)
+    options = dict(layout_options, lr=0.0, use_distributed_optimizer=False,
+                   extra=TORCH_FSDP2[1:])
+    fsdp2 = dict(options, extra=TORCH_FSDP2)
+    plain = _last(run_ranks(_run, world, fsdp2, install=None, timeout=TIMEOUT))
+    for printed, (_, logged) in zip(plain["printed"], plain["logged"]):
+        assert logged == pytest.approx(plain["oracle"] / math.sqrt(dp), rel=0.15)
+        assert abs(printed - plain["oracle"]) > 1.0  # visibly wrong in Megatron's own log
+    served = _assert_serves_oracle(run_ranks(_run, world, fsdp2, install={}, timeout=TIMEOUT))
+    without = _assert_serves_oracle(run_ranks(_run, world, options, install={}, timeout=TIMEOUT))
+    for (it, value), (it_without, value_without) in zip(served["logged"], without["logged"]):
+        assert it == it_without and value == pytest.approx(value_without, rel=REL)
+    assert served["printed"] == without["printed"]
+
+
 @needs_loop
 def test_two_distributed_optimizer_instances() -> None:
     """Megatron's own loop prints sqrt(2) x the true norm; with install() it prints the oracle."""

@@ -107,3 +107,25 @@ def test_fp32_optimizer_and_frozen_bf16_params() -> None:
     assert excluded.registry["norm"].reason == "frozen-excluded"
     counted = [p for n, p in model.named_parameters() if n not in ("tied_copy", "norm")]
     assert float(excluded.param_l2_norm()) == pytest.approx(oracle(counted), rel=1e-7)
+
+
+def test_dtensor_replica_axes_and_mesh_checks() -> None:
+    """The DTensor row of the rule, on plain data: a ``Replicate`` mesh axis counts on its
+    coordinate 0 only; a mesh that spans megatron TP peers, or leaves out ranks of megatron's DP
+    group, is a conflict (the registry refuses it)."""
+    from norm_optim.ownership import RankCoords, mesh_conflict, why_not_counted
+    from norm_optim.vocabulary import NotCounted
+
+    def reason(replica_coords: tuple[int, ...]) -> object:
+        return why_not_counted(expert=False, tp_split=True, replicated=False, coords=RankCoords(),
+                               tied_copy=False, replica_coords=replica_coords)
+
+    assert reason(()) is None and reason((0, 0)) is None
+    assert reason((1,)) is NotCounted.MESH_REPLICA and reason((0, 1)) is NotCounted.MESH_REPLICA
+    coords = RankCoords(tp_peers=frozenset({0, 1}), dp_cp_peers=frozenset({0, 2}),
+                        expert_dp_peers=frozenset({0, 2, 4, 6}))
+    assert mesh_conflict(frozenset({0, 2}), expert=False, coords=coords) is None
+    assert "tensor-parallel" in mesh_conflict(frozenset({0, 1, 2, 3}), expert=False,
+                                              coords=coords)
+    assert "ranks [4, 6]" in mesh_conflict(frozenset({0, 2}), expert=True, coords=coords)
+    assert mesh_conflict(frozenset({0, 1}), expert=False, coords=RankCoords()) is None  # unknown

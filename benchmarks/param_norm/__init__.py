@@ -18,6 +18,13 @@ interleaved call by call (so machine noise hits them alike):
                    (``stop_communication``, the model's DTensors grouped by spec, one all-reduce
                    per sharded mesh dim of each spec, ``.item()``). Under EP it misses the
                    other EP ranks' experts.
+``fsdp2_walk``     torch FSDP2 cases (``fsdp2-*``, megatron's ``TorchFullyShardedDataParallel``):
+                   ``calc_params_l2_norm`` as it runs there (0.19): ``to_local()`` of each DTensor
+                   drops ``main_param``, so an fp32 copy of the local bf16 shard, never summed over
+                   DP (about 1/sqrt(DP) of the norm).
+``get_total_norm`` torch FSDP2 cases: ``torch.nn.utils.get_total_norm`` over the fp32 DTensors the
+                   optimizer steps (what a torch-native user calls); DTensor's reductions are
+                   functional collectives, which the collective count does not see.
 =================  ==============================================================================
 
 Per case and method it reports the median seconds per call, the extra peak memory of one call,

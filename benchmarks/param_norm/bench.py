@@ -77,13 +77,16 @@ class Bench:
     device: torch.device
     has_experts: bool
     megatron_fsdp: bool = False
+    torch_fsdp2: bool = False
 
     def dtensors(self) -> list[torch.Tensor]:
-        """The Megatron-FSDP model's params as DTensors (``stop_communication`` first: from then
-        on the module holds its DTensors rather than unsharded views)."""
+        """The Megatron-FSDP or torch FSDP2 model's params as DTensors (Megatron-FSDP:
+        ``stop_communication`` first: from then on the module holds its DTensors rather than
+        unsharded views)."""
         params: list[torch.Tensor] = []
         for chunk in self.chunks:
-            getattr(chunk, "stop_communication")()
+            if self.megatron_fsdp:
+                getattr(chunk, "stop_communication")()
             params.extend(chunk.parameters())
         return params
 
@@ -103,6 +106,10 @@ def build_bench(case: Case, device: torch.device) -> Bench:
         from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
         chunks = build_fsdp_model(case.model)
+    elif case.torch_fsdp2:  # fully_shard moves the weights to the mesh's device
+        from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
+
+        chunks = build_torch_fsdp2_model(case.model)
     else:
         with torch.device(device):  # megatron allocates its buffers on the current CUDA device
             chunks = build_model(case.model, use_distributed_optimizer=True)
@@ -113,4 +120,4 @@ def build_bench(case: Case, device: torch.device) -> Bench:
         raise RuntimeError(f"params not on {device}: {on_wrong_device[:3]}...")
     return Bench(chunks, optimizer, NormAwareOptimizer(optimizer, chunks),
                  Groups.from_parallel_state(), device, bool(case.model.num_experts),
-                 case.megatron_fsdp)
+                 case.megatron_fsdp, case.torch_fsdp2)

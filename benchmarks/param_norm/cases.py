@@ -22,13 +22,15 @@ class Case:
     Dense models are pure data parallel; MoE models add expert parallelism 2 when the world is
     even, so expert params are sharded over a different (expert-DP) group than dense ones. All
     cases use the distributed optimizer, or Megatron-FSDP (``optim_grads_params``) when
-    ``megatron_fsdp``.
+    ``megatron_fsdp``, or torch FSDP2 (megatron's ``TorchFullyShardedDataParallel``, the Float16
+    optimizer, untied embeddings) when ``torch_fsdp2``.
     """
 
     name: str
     model: TinyGPTConfig
     world: int
     megatron_fsdp: bool = False
+    torch_fsdp2: bool = False
 
     @property
     def kind(self) -> str:
@@ -82,6 +84,11 @@ FSDP_MODELS: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = (
     ("dense-m", (4,), ()),
     ("moe-m", (4,), (4,)),
 )
+# The same dense models under torch FSDP2 (untied embeddings), named ``fsdp2-<model>``.
+TORCH_FSDP2_MODELS: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = (
+    ("dense-s", (4,), (4,)),
+    ("dense-m", (4,), ()),
+)
 
 
 def sweep_of(case_name: str) -> Sweep:
@@ -95,6 +102,9 @@ def _all_cases(quick: bool) -> list[Case]:
     configs = {m.name: m.config for m in MODELS}
     cases += [Case(f"fsdp-{name}", configs[name], world, megatron_fsdp=True)
               for name, full, fast in FSDP_MODELS for world in (fast if quick else full)]
+    cases += [Case(f"fsdp2-{name}", dataclasses.replace(configs[name], tie_embeddings=False),
+                   world, torch_fsdp2=True)
+              for name, full, fast in TORCH_FSDP2_MODELS for world in (fast if quick else full)]
     return cases
 
 

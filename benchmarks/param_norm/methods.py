@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .bench import Bench, is_expert
+from .cases import Case
 
 NormFn = Callable[[], Union[torch.Tensor, float]]
 Prepare = Callable[[Bench], NormFn]
@@ -149,6 +150,25 @@ def dtensor_walk(bench: Bench) -> NormFn:
     return call
 
 
+def read_local_shard(param: torch.nn.Parameter) -> tuple[Optional[torch.Tensor], bool]:
+    """Megatron-LM's read under torch FSDP2 (``calc_params_l2_norm``, 0.19): ``to_local()`` of
+    the DTensor param, which has no ``main_param``, so an fp32 copy of the local bf16 shard,
+    counted as not sharded (no sum over DP: about 1/sqrt(DP) of the norm)."""
+    return read_main_param(getattr(param, "_local_tensor", param))
+
+
+def get_total_norm(bench: Bench) -> NormFn:
+    """What a torch-native user calls: ``torch.nn.utils.get_total_norm`` over the fp32 DTensors
+    the optimizer steps (DTensor's own reductions), gathered to a plain value."""
+    tensors = [getattr(p, "main_param", p) for p in bench.dtensors()]
+
+    def call() -> torch.Tensor:
+        norm = torch.nn.utils.get_total_norm(tensors)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    return call
+
+
 METHODS: tuple[Method, ...] = (
     Method("norm_optim", norm_optim),
     Method("floor", floor),
@@ -161,8 +181,17 @@ FSDP_METHODS: tuple[Method, ...] = (
     Method("floor", floor),
     Method("dtensor_walk", dtensor_walk),
 )
+# torch FSDP2: Megatron-LM's walk as it runs there, and torch's own function.
+TORCH_FSDP2_METHODS: tuple[Method, ...] = (
+    Method("norm_optim", norm_optim),
+    Method("floor", floor),
+    Method("fsdp2_walk", attribute_walk_of(read_local_shard)),
+    Method("get_total_norm", get_total_norm),
+)
 
 
-def methods_for(megatron_fsdp: bool) -> tuple[Method, ...]:
+def methods_for(case: Case) -> tuple[Method, ...]:
     """The methods that apply to a case."""
-    return FSDP_METHODS if megatron_fsdp else METHODS
+    if case.torch_fsdp2:
+        return TORCH_FSDP2_METHODS
+    return FSDP_METHODS if case.megatron_fsdp else METHODS

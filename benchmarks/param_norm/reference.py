@@ -20,7 +20,8 @@ _PIECE = 1 << 22  # float64 copies of at most 32 MiB at a time
 @torch.no_grad()
 def reference_norm(bench: Bench) -> tuple[float, int, int]:
     """(float64 norm, elements, tensors) of the whole model, each element counted once."""
-    totals = _fsdp_totals(bench) if bench.megatron_fsdp else _megatron_totals(bench)
+    dtensors = bench.megatron_fsdp or bench.torch_fsdp2
+    totals = _fsdp_totals(bench) if dtensors else _megatron_totals(bench)
     totals = totals.to(bench.device)
     dist.all_reduce(totals)
     return math.sqrt(totals[0].item()), int(totals[1].item()), int(totals[2].item())
@@ -46,7 +47,7 @@ def _megatron_totals(bench: Bench) -> torch.Tensor:
 
 
 def _fsdp_totals(bench: Bench) -> torch.Tensor:
-    """The same for Megatron-FSDP, from the DTensors' own placements: a rank adds its local
+    """The same for Megatron-FSDP and torch FSDP2 (pure DP), from the DTensors' own placements: a rank adds its local
     shard when it is coordinate 0 of every mesh dim that replicates the tensor (the expert mesh
     has no EP dim: EP ranks hold other experts)."""
     totals = torch.zeros(3, dtype=torch.float64)

@@ -35,7 +35,7 @@ def run_case(case: Case, opts: Options) -> list[Row]:
         warnings.simplefilter("ignore", UserWarning)
         bench = build_bench(case, device)
     reference, numel, tensors = reference_norm(bench)
-    methods = [(m.name, m.prepare(bench)) for m in methods_for(case.megatron_fsdp)]
+    methods = [(m.name, m.prepare(bench)) for m in methods_for(case)]
     with torch.no_grad():
         local = measure_methods(methods, device, opts)
     counted = bench.wrapped.registry.counted

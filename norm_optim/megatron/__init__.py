@@ -8,6 +8,8 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   FP32, layer-wise, plain torch; kinds it cannot read are refused by class, with the version.
 - :mod:`.fsdp` — Megatron-FSDP: its fp32 main-weight shards in its buffers, and the DTensor
   stand-ins it swaps into the module (:func:`model_param` maps them back).
+- :mod:`.dtensor` — torch FSDP2 and other DTensor params: local shards and the replicating
+  mesh axes from their placements; placements it cannot count exactly are refused by name.
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
 - :mod:`.declarations` — how the model's checkpoint declarations (``sharded_state_dict``) split
@@ -18,6 +20,7 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 """
 
 from .declarations import Declaration, Declarations, read_declarations
+from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
 from .optimizers import Holding, fingerprint, leaves, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
@@ -32,11 +35,14 @@ __all__ = [
     "check_reduce_group",
     "fingerprint",
     "leaves",
+    "local_holding",
     "model_param",
     "param_traits",
     "rank_coords",
     "read_declarations",
+    "is_fsdp2_model",
     "read_holdings",
+    "refuse_partial_meshes",
     "where",
     "without_padding",
 ]

@@ -47,6 +47,10 @@ class Holding:
             shards, and only the one holding the replicating group's first rank counts.
         optimizer: class name of the leaf optimizer that holds it.
         offset: where ``tensor`` starts in the flattened param (a shard's start; 0 otherwise).
+        replica_coords: for a DTensor (torch FSDP2), this rank's coordinate on each mesh axis
+            whose ``Replicate`` placement copies it; its ``Shard`` axes partition it and need no
+            rule. Empty for other tensors.
+        mesh: for a DTensor, the global ranks of its device mesh (None for other tensors).
     """
 
     param: torch.nn.Parameter
@@ -56,6 +60,8 @@ class Holding:
     shard_group: Optional[frozenset[int]] = None
     optimizer: str = ""
     offset: int = 0
+    replica_coords: tuple[int, ...] = ()
+    mesh: Optional[frozenset[int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,32 +77,15 @@ class _Context:
 
 
 def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
-    """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
-    from .fsdp import is_megatron_fsdp, read_megatron_fsdp  # it builds on this module
+    """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order; DTensors (torch
+    FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`)."""
+    from .dtensor import local_holding  # they build on this module
+    from .fsdp import is_megatron_fsdp, read_megatron_fsdp
 
     if is_megatron_fsdp(optimizer):
         return list(read_megatron_fsdp(optimizer, comm.group_ranks))
-    holdings = list(_read(optimizer, _Context(group_ranks=comm.group_ranks)))
-    for holding in holdings:
-        _refuse_fsdp(holding)
-    return holdings
-
-
-def _refuse_fsdp(holding: Holding) -> None:
-    """torch FSDP2 (``fully_shard``) shards params as DTensors, with an ownership rule of its
-    own that norm_optim does not implement: a clear error, rather than counting each shard as a
-    replica. (Megatron-FSDP is read by :mod:`norm_optim.megatron.fsdp`.)"""
-    for tensor in (holding.param, holding.tensor):
-        if type(tensor).__name__ == "DTensor" or getattr(tensor, "__fsdp_param__", False):
-            raise _fsdp_error(holding.optimizer)
-
-
-def _fsdp_error(optimizer: str) -> UnsupportedOptimizerError:
-    return UnsupportedOptimizerError(
-        f"{optimizer} holds torch-FSDP-sharded params (DTensor); norm_optim supports megatron's "
-        "DDP (with or without the distributed optimizer) and Megatron-FSDP "
-        "(FullyShardedDataParallel), not torch FSDP2 (fully_shard / use_torch_fsdp2)"
-    )
+    holdings = _read(optimizer, _Context(group_ranks=comm.group_ranks))
+    return [local_holding(holding) for holding in holdings]
 
 
 def leaves(optimizer: Any) -> Iterator[Any]:
@@ -144,7 +133,8 @@ def where(tensor: Optional[torch.Tensor]) -> tuple:
     """
     if tensor is None:
         return ()
-    # A DTensor (Megatron-FSDP's main weights) has no storage of its own: its local shard does.
+    # A DTensor (torch FSDP2 params, Megatron-FSDP's main weights) has no storage of its own:
+    # its local shard does.
     tensor = getattr(tensor, "_local_tensor", tensor)
     return (id(tensor), tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
 

@@ -28,18 +28,14 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
     """Read the coordinates from megatron's global parallel state.
 
     In a plain single process (no ``torch.distributed``) every coordinate is 0. With several
-    processes and no parallel state, counting would be a guess, so it is an error.
+    processes and no parallel state, only DTensors can be counted (``parallel_state=False``).
     """
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        if comm.is_distributed() and comm.size(None) > 1:
-            raise ParallelStateError(
-                "megatron's parallel state is not initialized but torch.distributed runs "
-                f"{comm.size(None)} ranks: call parallel_state.initialize_model_parallel(...) "
-                "before wrapping the optimizer, or pass pg_collection=..."
-            )
-        return RankCoords()
+        # Torch-native (FSDP2) training needs none: its DTensors' placements say it all, and
+        # the registry refuses any other tensor when several ranks run.
+        return RankCoords(parallel_state=not (comm.is_distributed() and comm.size(None) > 1))
     # Since 0.19 the DP getters include the GTP weight-remat axis by default; the
     # distributed optimizer shards (and replicas are told apart) over the group without it.
     replicate = _without_gtp_remat(ps)
@@ -48,6 +44,8 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
         check_initialized=False, **replicate
     )
     tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
+    expert_tp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
     return RankCoords(
         tp=ps.get_tensor_model_parallel_rank(),
         expert_tp=_or_zero(ps.get_expert_tensor_parallel_rank()),
@@ -57,6 +55,7 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
         expert_dp_first=comm.first_rank(expert_dp_group),
         gtp=_gtp_rank(ps, "get_gtp_weight_remat_group", comm),
         expert_gtp=_gtp_rank(ps, "get_expert_gtp_weight_remat_group", comm),
+        **_peers(comm, tp_group, expert_tp_group, dp_cp_group, expert_dp_group),
         experts_need_model=ps.get_expert_model_parallel_world_size() == 1
         and (
             (ps.get_expert_tensor_parallel_world_size() or tp_size) != tp_size
@@ -95,6 +94,7 @@ def coords_from_pg_collection(pg_collection: object, comm: Communicator) -> Rank
             expert_groups_known=False,
         )
     return RankCoords(
+        **_peers(comm, tp_group, expert_tp_group, dp_cp_group, expert_dp_group),
         tp=comm.rank(tp_group),
         expert_tp=comm.rank(expert_tp_group),
         dp_cp=comm.rank(dp_cp_group),
@@ -109,6 +109,16 @@ def coords_from_pg_collection(pg_collection: object, comm: Communicator) -> Rank
         gtp=gtp,
         expert_gtp=expert_gtp,
     )
+
+
+def _peers(comm: Communicator, tp: Any, expert_tp: Any, dp_cp: Any,
+           expert_dp: Any) -> dict[str, Any]:
+    """The ``*_peers`` fields of :class:`RankCoords`: each group's global ranks (empty where
+    megatron built no such group)."""
+    groups = dict(tp_peers=tp, expert_tp_peers=expert_tp, dp_cp_peers=dp_cp,
+                  expert_dp_peers=expert_dp)
+    return {name: comm.group_ranks(group) if group is not None else frozenset()
+            for name, group in groups.items()}
 
 
 def _without_gtp_remat(ps: Any) -> dict[str, bool]:

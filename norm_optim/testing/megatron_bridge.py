@@ -49,6 +49,7 @@ from norm_optim.testing.loop_patches import (
 )
 from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
 from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.testing.torch_fsdp2 import install_torch_fsdp2_cpu_patches
 
 __all__ = [
     "RankOutput",
@@ -249,6 +250,7 @@ def tiny_config(
     use_distributed_optimizer: bool = True,
     num_distributed_optimizer_instances: int = 1,
     megatron_fsdp: bool = False,
+    torch_fsdp2: bool = False,
     train_iters: int = 2,
     log_interval: int = 1,
     tensorboard_log_interval: Optional[int] = None,
@@ -267,7 +269,9 @@ def tiny_config(
     batch size (one micro-batch of 2 per data-parallel rank). ``megatron_fsdp``: Megatron-FSDP
     (``ddp.use_megatron_fsdp``, ``optim_grads_params``; Bridge turns on the distributed
     optimizer and ``dist.use_megatron_fsdp`` itself), with ``gradient_reduce_div_fusion=False``
-    (gloo has no ``PREMUL_SUM``).
+    (gloo has no ``PREMUL_SUM``). ``torch_fsdp2``: torch FSDP2 (``dist.use_torch_fsdp2``, megatron's
+    ``TorchFullyShardedDataParallel``), which needs untied embeddings, no distributed optimizer,
+    and ``transformer_impl="local"`` for the local spec.
     """
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
@@ -310,7 +314,9 @@ def tiny_config(
         gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         cross_entropy_loss_fusion=False, persist_layer_norm=False,
-        share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=not torch_fsdp2,
+        position_embedding_type="learned_absolute",
+        **({"transformer_impl": "local"} if torch_fsdp2 else {}),
         **moe,
     )
     return ConfigContainer(
@@ -338,7 +344,7 @@ def tiny_config(
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
         checkpoint=CheckpointConfig(save=None, load=None),
         rng=RNGConfig(seed=seed, inference_rng_tracker=True),
-        dist=DistributedInitConfig(distributed_backend="gloo"),
+        dist=DistributedInitConfig(distributed_backend="gloo", use_torch_fsdp2=torch_fsdp2),
     )
 
 
@@ -379,7 +385,8 @@ def _pretrain_rank(config: Any, callbacks: Sequence[Any],
     fsdp = config.ddp.use_megatron_fsdp or config.dist.use_megatron_fsdp
     with install_bridge_cpu_patches(), (
         install_bridge_megatron_fsdp_cpu_patches() if fsdp else contextlib.nullcontext()
-    ):
+    ), (install_torch_fsdp2_cpu_patches() if config.dist.use_torch_fsdp2
+        else contextlib.nullcontext()):
         undo = before() if before is not None else None
         try:
             with contextlib.redirect_stdout(out):

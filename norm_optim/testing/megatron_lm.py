@@ -123,16 +123,29 @@ def megatron_lm_patches() -> list[Patch]:
 
 
 @contextlib.contextmanager
-def megatron_lm_on_cpu() -> Iterator[None]:
+def megatron_lm_on_cpu(*, torch_fsdp2: bool = False) -> Iterator[None]:
     """Apply :func:`cpu_loop_patches` and :func:`megatron_lm_patches`, and set
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see :func:`device_arch_patches`); restore all on exit.
-    Needs the CPU shim installed (``run_ranks`` does)."""
+    Needs the CPU shim installed (``run_ranks`` does).
+
+    With ``torch_fsdp2`` (``--use-torch-fsdp2``): unset that variable instead (``validate_args``
+    asserts FSDP runs do not set it to 1; with TP it only warns) and apply the CPU patch of
+    :func:`~norm_optim.testing.torch_fsdp2.install_torch_fsdp2_cpu_patches`.
+    """
     previous = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if torch_fsdp2:
+        from norm_optim.testing.torch_fsdp2 import install_torch_fsdp2_cpu_patches
+
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        fsdp2 = install_torch_fsdp2_cpu_patches()
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     try:
         with patches_applied(cpu_loop_patches() + megatron_lm_patches()):
             yield
     finally:
+        if torch_fsdp2:
+            fsdp2.uninstall()
         if previous is None:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
         else:
@@ -356,7 +369,8 @@ def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> Pretrai
 
     out = io.StringIO()
     saved_argv = sys.argv
-    with megatron_lm_on_cpu(), contextlib.ExitStack() as stack:
+    with megatron_lm_on_cpu(torch_fsdp2="--use-torch-fsdp2" in argv), \
+            contextlib.ExitStack() as stack:
         if capture_stdout:
             stack.enter_context(contextlib.redirect_stdout(out))
         sys.argv = [sys.argv[0], *argv]

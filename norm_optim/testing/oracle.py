@@ -210,7 +210,9 @@ def fill_deterministic_(
         optimizer: if given, its ``reload_model_params()`` is called so fp32 main params (whole
             or sharded) are refreshed from the new model values; otherwise call it yourself.
             Megatron-FSDP chunks get their values written into their weight buffers, fp32 main
-            weights included (:func:`~norm_optim.testing.megatron_fsdp.fill_fsdp_deterministic_`).
+            weights included (:func:`~norm_optim.testing.megatron_fsdp.fill_fsdp_deterministic_`);
+            torch FSDP2 (DTensor) params into their local shards
+            (:func:`~norm_optim.testing.torch_fsdp2.fill_dtensor_deterministic_`).
     """
     if any(hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups")
            for c in model_chunks):
@@ -218,6 +220,12 @@ def fill_deterministic_(
         from norm_optim.testing.megatron_fsdp import fill_fsdp_deterministic_
 
         fill_fsdp_deterministic_(model_chunks, seed)
+        return
+    if any(hasattr(p, "device_mesh") for c in model_chunks for p in c.parameters()):
+        # torch FSDP2: each rank writes its own part of every DTensor.
+        from norm_optim.testing.torch_fsdp2 import fill_dtensor_deterministic_
+
+        fill_dtensor_deterministic_(model_chunks, seed, optimizer)
         return
     for name, param in named_global_parameters(model_chunks):
         param.copy_(deterministic_values(name, param, seed))
