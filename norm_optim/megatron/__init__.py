@@ -8,6 +8,8 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   FP32, layer-wise, plain torch; kinds it cannot read are refused by class, with the version.
 - :mod:`.fsdp` — Megatron-FSDP: its fp32 main-weight shards in its buffers, and the DTensor
   stand-ins it swaps into the module (:func:`model_param` maps them back).
+- :mod:`.fsdp_v2` — Megatron-FSDP v2 (megatron-core main): its fp32 main-weight slices in its
+  parameter groups' flat buffers, which ``FullyShardedOptimizer`` steps as DTensors.
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
 - :mod:`.params` — per-param traits from megatron's markers and the model's structure: expert,

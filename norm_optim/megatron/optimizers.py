@@ -72,8 +72,11 @@ class _Context:
 
 def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
-    from .fsdp import is_megatron_fsdp, read_megatron_fsdp  # it builds on this module
+    from .fsdp import is_megatron_fsdp, read_megatron_fsdp  # they build on this module
+    from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
 
+    if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
+        return list(read_megatron_fsdp_v2(optimizer, comm.group_ranks))
     if is_megatron_fsdp(optimizer):
         return list(read_megatron_fsdp(optimizer, comm.group_ranks))
     holdings = list(_read(optimizer, _Context(group_ranks=comm.group_ranks)))

@@ -408,11 +408,13 @@ def train_step(
 
 def unwrap_gpt(chunk: torch.nn.Module) -> Any:
     """The GPTModel inside a model chunk's DDP (or Megatron-FSDP) and Float16Module wrappers."""
-    from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
+    # DDP and both Megatron-FSDP versions derive from it (on main FullyShardedDataParallel is
+    # a factory function, not a class).
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
     from megatron.core.distributed.fsdp.src.megatron_fsdp import MegatronFSDP
     from megatron.core.transformer.module import Float16Module
 
-    wrappers = (DistributedDataParallel, FullyShardedDataParallel, MegatronFSDP, Float16Module)
+    wrappers = (_BaseDataParallel, MegatronFSDP, Float16Module)
     while isinstance(chunk, wrappers):
         chunk = chunk.module
     return chunk

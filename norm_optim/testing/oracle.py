@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from norm_optim.testing.megatron_fsdp import original_param
 from norm_optim.testing.models import unwrap_gpt
 
 __all__ = [
@@ -91,8 +92,8 @@ def named_global_parameters(
         gpt = unwrap_gpt(chunk)
         for name, param in gpt.named_parameters():
             # Megatron-FSDP swaps the module's params for DTensors of its main weights between
-            # steps; each keeps the original param (TP-local shape, megatron's markers).
-            yield _global_name(gpt, name), getattr(param, "orig_param", param)
+            # steps; each leads back to the original param (TP-local shape, megatron's markers).
+            yield _global_name(gpt, name), original_param(param)
 
 
 def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
@@ -189,6 +190,14 @@ def fill_deterministic_(
             Megatron-FSDP chunks get their values written into their weight buffers, fp32 main
             weights included (:func:`~norm_optim.testing.megatron_fsdp.fill_fsdp_deterministic_`).
     """
+    from norm_optim.testing.megatron_fsdp import (
+        fill_fsdp_v2_deterministic_,
+        fsdp_v2_parameter_groups,
+    )
+
+    if fsdp_v2_parameter_groups(model_chunks):
+        fill_fsdp_v2_deterministic_(model_chunks, seed)
+        return
     if any(hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups")
            for c in model_chunks):
         # Megatron-FSDP: its params' data are not the weights; write into its buffers.
