@@ -54,6 +54,7 @@ FROZEN = ("embedding.*", "decoder.layers.0.self_attention.*")
 LAYOUTS = {
     "dp2": Layout(2, SMALL),
     "dp4": Layout(4, SMALL),
+    "moe-ep1-dp2": Layout(2, SMALL_MOE),
     "moe-ep2-edp1": Layout(2, SMALL_MOE, ep=2),
     "moe-ep2-edp2": Layout(4, SMALL_MOE, ep=2),
     "dp2-frozen": Layout(2, SMALL, freeze=FROZEN),

@@ -22,6 +22,7 @@ import torch
 from ..comm import Communicator
 from ..errors import UnsupportedOptimizerError
 from ..kernels import RemainderMaster, Summand
+from ..ownership import RankCoords
 from ..versions import megatron_core_version_string
 from ..vocabulary import Source
 
@@ -47,6 +48,8 @@ class Holding:
             shards, and only the one holding the replicating group's first rank counts.
         optimizer: class name of the leaf optimizer that holds it.
         offset: where ``tensor`` starts in the flattened param (a shard's start; 0 otherwise).
+        coords: this rank's coordinates in the groups of the module that holds the param, where
+            they are the module's own (MIMO); None: the model's (the wrapper's) coordinates.
     """
 
     param: torch.nn.Parameter
@@ -56,6 +59,7 @@ class Holding:
     shard_group: Optional[frozenset[int]] = None
     optimizer: str = ""
     offset: int = 0
+    coords: Optional[RankCoords] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,10 @@ def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order."""
     from .fsdp import is_megatron_fsdp, read_megatron_fsdp  # they build on this module
     from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
+    from .mimo import is_mimo, read_mimo
 
+    if is_mimo(optimizer):  # one optimizer per module, each read with its module's groups
+        return list(read_mimo(optimizer, comm))
     if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
         return list(read_megatron_fsdp_v2(optimizer, comm.group_ranks))
     if is_megatron_fsdp(optimizer):
@@ -338,8 +345,8 @@ def _is_fp32_optimizer(optimizer: Any) -> bool:
 _REFUSED: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (
         lambda o: hasattr(o, "module_infos") and hasattr(o, "_active_optimizers"),
-        "MimoModel's optimizer gives each module (encoders, language model) its own process "
-        "groups, which norm_optim does not read yet; wrap it only once it is supported",
+        "a MimoOptimizer inside another optimizer: each of its modules has its own process "
+        "groups, which norm_optim reads when the MimoOptimizer itself is wrapped",
     ),
 )
 

@@ -35,6 +35,7 @@ __all__ = [
     "deterministic_values",
     "fill_deterministic_",
     "global_param_shapes",
+    "global_shape",
     "named_global_parameters",
     "oracle_norm",
     "oracle_sum_of_squares",
@@ -96,11 +97,13 @@ def named_global_parameters(
             yield _global_name(gpt, name), original_param(param)
 
 
-def _tp_rank_and_size(name: str, param: torch.Tensor) -> tuple[int, int]:
+def _tp_rank_and_size(name: str, param: torch.Tensor, tp_group: Any = None) -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
     if not getattr(param, "tensor_model_parallel", False):
         return 0, 1
+    if tp_group is not None:  # a module with TP groups of its own (MIMO)
+        return torch.distributed.get_rank(tp_group), torch.distributed.get_world_size(tp_group)
     if _is_expert(name):
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -130,23 +133,25 @@ def _tp_local_shape(param: torch.Tensor) -> list[int]:
     return shape
 
 
-def _global_shape(name: str, param: torch.Tensor) -> tuple[int, ...]:
-    _, size = _tp_rank_and_size(name, param)
+def _global_shape(name: str, param: torch.Tensor, tp_group: Any = None) -> tuple[int, ...]:
+    _, size = _tp_rank_and_size(name, param, tp_group)
     shape = _tp_local_shape(param)
     if size > 1:
         shape[getattr(param, "partition_dim")] *= size
     return tuple(shape)
 
 
-def _global_flat_index(name: str, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _global_flat_index(
+    name: str, param: torch.Tensor, tp_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The index of each local element in the flattened global tensor (local shape, int64), and
     a mask of the local elements that are GTP padding (not part of the model).
 
     Megatron splits the partition dim into ``size * stride`` blocks and gives rank ``r`` blocks
     ``r, r + size, ...`` (``_initialize_affine_weight_cpu``); GTP then shards dim 0 of that.
     """
-    rank, size = _tp_rank_and_size(name, param)
-    global_shape = _global_shape(name, param)
+    rank, size = _tp_rank_and_size(name, param, tp_group)
+    global_shape = _global_shape(name, param, tp_group)
     tp_local = _tp_local_shape(param)
     gtp = _gtp_rows(param)
     strides = torch.empty(global_shape, device="meta").stride()
@@ -211,13 +216,21 @@ def fill_deterministic_(
         optimizer.reload_model_params()
 
 
-def deterministic_values(name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+def deterministic_values(
+    name: str, param: torch.Tensor, seed: int, *, tp_group: Any = None
+) -> torch.Tensor:
     """The values :func:`fill_deterministic_` gives this rank's ``param`` (its global ``name``):
-    float64, in the param's (local) shape, exact in bf16 and fp32."""
-    index, padding = _global_flat_index(name, param)
+    float64, in the param's (local) shape, exact in bf16 and fp32. ``tp_group``: the TP group
+    that splits the param, where it is not megatron's global one (a MIMO module's)."""
+    index, padding = _global_flat_index(name, param, tp_group)
     values = _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
     # GTP pad rows are not part of the model: a value there that a norm counted would show.
     return values.masked_fill(padding, _PADDING_VALUE)
+
+
+def global_shape(name: str, param: torch.Tensor, *, tp_group: Any = None) -> tuple[int, ...]:
+    """The unpartitioned shape of this rank's ``param`` (TP split by ``tp_group`` when given)."""
+    return _global_shape(name, param, tp_group)
 
 
 def global_param_shapes(
