@@ -1,4 +1,4 @@
-"""MIMO (``MimoModel`` + ``MimoOptimizer``, megatron-core main): exact norms with per-module
+"""MIMO (``MimoModel`` + ``MimoOptimizer``, megatron-core 0.19, main): exact norms, per-module
 coordinates, against the layout-independent oracle, on the real megatron-core.
 
 Each layout builds a small vision encoder (``TransformerBlock`` + MLP projection) and a GPT
@@ -38,7 +38,7 @@ from norm_optim.testing.mimo import (
 from norm_optim.testing.oracle import oracle_sum_of_squares
 
 pytestmark = pytest.mark.skipif(
-    not has_mimo(), reason="this megatron-core has no MIMO optimizer (MimoOptimizer, main only)"
+    not has_mimo(), reason="this megatron-core has no MIMO optimizer (MimoOptimizer, 0.19+)"
 )
 
 SEED_A, SEED_B = 7, 8

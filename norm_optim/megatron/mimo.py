@@ -1,6 +1,6 @@
 """MIMO: one optimizer per module, each with its own process groups.
 
-For a ``MimoModel`` (megatron-core main), ``get_megatron_optimizer`` returns a
+For a ``MimoModel`` (megatron-core 0.19 and main), ``get_megatron_optimizer`` returns a
 ``MimoOptimizer``: ``module_infos[name]`` holds, per module (the language model, each modality
 encoder), the module's own optimizer (any kind norm_optim reads: distributed, Float16,
 Megatron-FSDP...), its ``HyperCommGrid`` and the ``ProcessGroupCollection`` it was built with,

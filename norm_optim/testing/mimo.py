@@ -1,4 +1,4 @@
-"""MIMO models (``megatron.core.models.mimo.MimoModel``, megatron-core main) on CPU gloo ranks.
+"""MIMO models (``megatron.core.models.mimo.MimoModel``, megatron-core >= 0.19) on CPU ranks.
 
 A :class:`MimoLayout` places each module (a vision encoder and the language model) on its own
 ``HyperCommGrid``: its ranks, TP and DP sizes. :func:`build_mimo_model` builds the model as
@@ -35,11 +35,12 @@ __all__ = [
 ENCODER = "images"
 _IMAGE_TOKEN = 50
 _GRID_DIMS = ["tp", "cp", "pp", "dp", "ep", "expt_dp"]
+_EXPERT_VIEW = "expert"
 # Every group a module's ProcessGroupCollection (and get_megatron_optimizer) needs.
 _GROUPS = {
     "tp": ["tp"], "cp": ["cp"], "pp": ["pp"], "dp": ["dp"], "dp_cp": ["dp", "cp"],
     "ep": ["ep"], "expt_dp": ["expt_dp"], "mp": ["tp", "pp"], "tp_ep_pp": ["tp", "ep", "pp"],
-    "tp_dp_cp": ["tp", "dp", "cp"],
+    "intra_dist_opt": ["tp", "cp", "dp", "pp"],
 }
 
 
@@ -66,7 +67,7 @@ def install_mimo_cpu_patches() -> PatchSet:
 
 
 def has_mimo() -> bool:
-    """Whether the installed megatron-core has MIMO's optimizer (``MimoOptimizer``, main)."""
+    """Whether the installed megatron-core has MIMO's optimizer (``MimoOptimizer``, 0.19+)."""
     try:
         from megatron.core.models.mimo import optimizer  # noqa: F401
     except ImportError:
@@ -113,6 +114,12 @@ def _grid(spec: ModuleGrid) -> Any:
                          rank_offset=spec.offset, backend="gloo")
     for dims in _GROUPS.values():  # a collective over the world: every rank, same order
         grid.create_pg(dims)
+    # megatron-core 0.19's get_mimo_optimizer reads the expert groups from an "expert" view
+    # (models/mimo/optimizer.py, _get_pg_collection_for_optimizer).
+    grid.register_view(_EXPERT_VIEW, shape=[spec.tp, 1, spec.dp, 1],
+                       dim_names=["expt_tp", "pp", "expt_dp", "ep"], shared_dims=["pp"])
+    grid.create_pg(["expt_tp", "ep", "pp"], view=_EXPERT_VIEW)
+    grid.create_pg(["expt_dp"], view=_EXPERT_VIEW)
     return grid
 
 
@@ -124,7 +131,6 @@ def _pg_collection(grid: Any) -> Any:
         setattr(groups, name, grid.get_pg(dims))
     groups.expt_tp = groups.tp  # no experts: expert TP as TP
     groups.intra_dp_cp, groups.intra_expt_dp = groups.dp_cp, groups.expt_dp
-    groups.intra_dist_opt = groups.tp_dp_cp
     groups.embd = groups.pos_embd = None  # PP = 1: no embedding groups to sync
     return groups
 
@@ -136,7 +142,8 @@ def _config(layout: MimoLayout, tp: int, num_layers: int) -> Any:
         num_layers=num_layers, hidden_size=layout.hidden_size, num_attention_heads=4,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        pipeline_dtype=torch.bfloat16, variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # variable_seq_lengths refuses the default
     )
 
 
