@@ -24,6 +24,10 @@ GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sha
                            param's zero pad rows count as nothing       pads trimmed (registry)
 Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
                            (over DP×CP; expert-DP for experts)          is False
+Megatron-FSDP v2           the rank whose slice of the group's flat     ``Holding.replicated``
+                           buffer it is (its mesh: DP×CP / expert-DP)   is False
+MIMO modules               every row above, within the module's own     ``Holding.coords``
+                           groups (its grid's TP, DP...)
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================
