@@ -29,6 +29,10 @@ Megatron-FSDP              the rank whose shard of the bucket it is     ``Holdin
 torch FSDP2 / DTensor      ``Shard`` mesh axes partition it: every      ``Holding.
 (fully_shard, HSDP,        rank; ``Replicate`` axes: coordinate 0;      replica_coords``
 TP × FSDP meshes)          megatron's TP markers still apply on top     (placements)
+Megatron-FSDP v2           the rank whose slice of the group's flat     ``Holding.replicated``
+                           buffer it is (its mesh: DP×CP / expert-DP)   is False
+MIMO modules               every row above, within the module's own     ``Holding.coords``
+                           groups (its grid's TP, DP...)
 pipeline / expert parallel nothing to do: each stage / expert rank
                            holds different params
 =========================  ==========================================  =======================

@@ -20,6 +20,7 @@ from .megatron import (
     Holding,
     ModelStructure,
     local_holding,
+    mimo_param_coords,
     model_param,
     param_traits,
     read_holdings,
@@ -232,6 +233,8 @@ def _build_records(
     else:
         named = named_model_params(chunks)
         global_names = global_param_names(chunks)
+    # A MIMO module's params are counted by that module's coords (its own process groups).
+    module_coords = mimo_param_coords(chunks, comm)
 
     records: list[ParamRecord] = []
     used: list[Holding] = []
@@ -251,7 +254,8 @@ def _build_records(
                     "optimizer does not know it: was the optimizer built for another model, or "
                     "was the param unfrozen after the optimizer was built?"
                 )
-            holding = local_holding(Holding(param, param, Source.FROZEN, replicated=True))
+            holding = local_holding(Holding(param, param, Source.FROZEN, replicated=True,
+                                            coords=module_coords.get(id(param))))
         used.append(holding)
         excluded = holding.source.is_frozen and not count_frozen  # also Megatron-FSDP's shards
         records.append(
@@ -260,11 +264,6 @@ def _build_records(
         )
 
     refuse_partial_meshes(used, [r.name for r in records])
-    if not coords.expert_groups_known and any(r.expert for r in records):
-        raise ParallelStateError(
-            "the model has expert params but pg_collection has no expt_tp / expt_dp groups: "
-            "pass a ProcessGroupCollection with the expert groups too"
-        )
     if by_param:
         shapes = [tuple(h.param.shape) for h in list(by_param.values())[:3]]
         raise UnknownParamError(
@@ -285,6 +284,12 @@ def _record(
 ) -> ParamRecord:
     param = holding.param
     traits = param_traits(param, structure, comm)
+    coords = holding.coords if holding.coords is not None else coords
+    if traits.expert and not coords.expert_groups_known:
+        raise ParallelStateError(
+            "the model has expert params but pg_collection has no expt_tp / expt_dp groups: "
+            "pass a ProcessGroupCollection with the expert groups too"
+        )
     if holding.shard_group is not None and len(holding.shard_group & traits.gtp_peers) > 1:
         # Megatron's own layout is inconsistent: seen with expert GTP at EP > 1 on the local spec
         # (0.19.2), where the GTP weights lose allreduce=False and land in the dense optimizer.

@@ -87,8 +87,8 @@ class NormAwareOptimizer:
             raise TypeError("the optimizer is already a NormAwareOptimizer; wrap it once")
         warn_if_untested()
         comm = comm if comm is not None else TorchCommunicator()
-        coords = rank_coords(comm, pg_collection)
-        check_reduce_group(comm, group, pg_collection)
+        coords = rank_coords(comm, pg_collection, optimizer)
+        check_reduce_group(comm, group, pg_collection, optimizer)
         object.__setattr__(
             self,
             "_state",

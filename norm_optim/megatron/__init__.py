@@ -10,6 +10,10 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   stand-ins it swaps into the module (:func:`model_param` maps them back).
 - :mod:`.dtensor` — torch FSDP2 and other DTensor params: local shards and the replicating
   mesh axes from their placements; placements it cannot count exactly are refused by name.
+- :mod:`.fsdp_v2` — Megatron-FSDP v2 (megatron-core main): its fp32 main-weight slices in its
+  parameter groups' flat buffers, which ``FullyShardedOptimizer`` steps as DTensors.
+- :mod:`.mimo` — MIMO: a ``MimoOptimizer``'s per-module optimizers, each read with its module's
+  own process groups (per-holding coordinates).
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
 - :mod:`.declarations` — how the model's checkpoint declarations (``sharded_state_dict``) split
@@ -22,6 +26,7 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 from .declarations import Declaration, Declarations, read_declarations
 from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
+from .mimo import mimo_param_coords
 from .optimizers import Holding, fingerprint, leaves, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
@@ -36,6 +41,7 @@ __all__ = [
     "fingerprint",
     "leaves",
     "local_holding",
+    "mimo_param_coords",
     "model_param",
     "param_traits",
     "rank_coords",

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import UnknownParamError, UnsupportedOptimizerError
 from ..vocabulary import Source
+from .fsdp_v2 import v2_model_param
 from .optimizers import Holding, leaves
 
 _SHARDING = "optim_grads_params"
@@ -42,8 +43,10 @@ _SHARDING = "optim_grads_params"
 
 def model_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
     """The model param that ``param`` stands for: Megatron-FSDP swaps a module's params for
-    DTensor views of its main weights between steps, each pointing back at the original."""
-    return getattr(param, "orig_param", param)
+    DTensor views of its main weights between steps, each pointing back at the original (v1),
+    or paired with it in its parameter group (v2)."""
+    original = getattr(param, "orig_param", None)
+    return original if original is not None else v2_model_param(param)
 
 
 def is_megatron_fsdp(optimizer: Any) -> bool:

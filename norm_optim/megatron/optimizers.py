@@ -22,6 +22,7 @@ import torch
 from ..comm import Communicator
 from ..errors import UnsupportedOptimizerError
 from ..kernels import RemainderMaster, Summand
+from ..ownership import RankCoords
 from ..versions import megatron_core_version_string
 from ..vocabulary import Source
 
@@ -51,6 +52,8 @@ class Holding:
             whose ``Replicate`` placement copies it; its ``Shard`` axes partition it and need no
             rule. Empty for other tensors.
         mesh: for a DTensor, the global ranks of its device mesh (None for other tensors).
+        coords: this rank's coordinates in the groups of the module that holds the param, where
+            they are the module's own (MIMO); None: the model's (the wrapper's) coordinates.
     """
 
     param: torch.nn.Parameter
@@ -62,6 +65,7 @@ class Holding:
     offset: int = 0
     replica_coords: tuple[int, ...] = ()
     mesh: Optional[frozenset[int]] = None
+    coords: Optional[RankCoords] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,13 @@ def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`)."""
     from .dtensor import local_holding  # they build on this module
     from .fsdp import is_megatron_fsdp, read_megatron_fsdp
+    from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
+    from .mimo import is_mimo, read_mimo
 
+    if is_mimo(optimizer):  # one optimizer per module, each read with its module's groups
+        return list(read_mimo(optimizer, comm))
+    if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
+        return list(read_megatron_fsdp_v2(optimizer, comm.group_ranks))
     if is_megatron_fsdp(optimizer):
         return list(read_megatron_fsdp(optimizer, comm.group_ranks))
     holdings = _read(optimizer, _Context(group_ranks=comm.group_ranks))
@@ -325,8 +335,8 @@ def _is_fp32_optimizer(optimizer: Any) -> bool:
 _REFUSED: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (
         lambda o: hasattr(o, "module_infos") and hasattr(o, "_active_optimizers"),
-        "MimoModel's optimizer gives each module (encoders, language model) its own process "
-        "groups, which norm_optim does not read yet; wrap it only once it is supported",
+        "a MimoOptimizer inside another optimizer: each of its modules has its own process "
+        "groups, which norm_optim reads when the MimoOptimizer itself is wrapped",
     ),
 )
 

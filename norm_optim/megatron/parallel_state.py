@@ -16,11 +16,16 @@ from ..errors import ParallelStateError
 from ..ownership import RankCoords
 
 
-def rank_coords(comm: Communicator, pg_collection: Any = None) -> RankCoords:
+def rank_coords(comm: Communicator, pg_collection: Any = None, optimizer: Any = None) -> RankCoords:
     """This rank's :class:`RankCoords`, from ``pg_collection`` when given, else megatron's
-    global parallel state."""
+    global parallel state. A MIMO optimizer's modules carry their own (each holding's), which
+    need no global parallel state: the default coordinates then stand for none."""
+    from .mimo import is_mimo
+
     if pg_collection is not None:
         return coords_from_pg_collection(pg_collection, comm)
+    if optimizer is not None and is_mimo(optimizer):
+        return RankCoords()
     return coords_from_parallel_state(comm)
 
 
@@ -142,16 +147,24 @@ def _rank_or_zero(comm: Communicator, group: Any) -> int:
     return comm.rank(group) if group is not None else 0
 
 
-def check_reduce_group(comm: Communicator, group: object, pg_collection: object = None) -> None:
+def check_reduce_group(
+    comm: Communicator, group: object, pg_collection: object = None, optimizer: Any = None
+) -> None:
     """Refuse a reduction group that misses ranks holding parts of this rank's model.
 
     Each element is counted on one rank only, so a group without, say, the other TP ranks would
     silently leave their shards out. A local check (no collective): this rank's TP, PP, DP×CP,
-    EP and expert-DP groups must all lie inside ``group``.
+    EP and expert-DP groups (every MIMO module's grid) must all lie inside ``group``.
     """
+    from .mimo import is_mimo, mimo_ranks
+
     if group is None or not comm.is_distributed():
         return
-    if pg_collection is not None:
+    held: set[int] = set()
+    groups: list[Any] = []
+    if optimizer is not None and is_mimo(optimizer) and pg_collection is None:
+        held = set(mimo_ranks(optimizer))  # every module's grid, active here or not
+    elif pg_collection is not None:
         names = ("tp", "pp", "dp_cp", "ep", "expt_dp", "gtp_remat", "expt_gtp_remat")
         groups = [getattr(pg_collection, name, None) for name in names]
     else:
@@ -168,7 +181,7 @@ def check_reduce_group(comm: Communicator, group: object, pg_collection: object 
             _gtp_group(ps, "get_gtp_weight_remat_group"),
             _gtp_group(ps, "get_expert_gtp_weight_remat_group"),
         ]
-    held = set().union(*(comm.group_ranks(g) for g in groups if g is not None))
+    held |= set().union(*(comm.group_ranks(g) for g in groups if g is not None))
     missing = sorted(held - comm.group_ranks(group))
     if missing:
         raise ParallelStateError(

@@ -27,6 +27,10 @@ from norm_optim.testing.patching import Patch, PatchSet
 __all__ = [
     "build_fsdp_model",
     "fill_fsdp_deterministic_",
+    "fill_fsdp_v2_deterministic_",
+    "fsdp_v2_parameter_groups",
+    "has_megatron_fsdp_v2",
+    "original_param",
     "install_megatron_fsdp_cpu_patches",
 ]
 
@@ -68,10 +72,64 @@ class _NoTELinear:
     ``isinstance(module, (TELinear,))``, a TypeError. No module is a TELinear without TE."""
 
 
+def has_megatron_fsdp_v2() -> bool:
+    """Whether the installed megatron-core has Megatron-FSDP v2 (``megatron_fsdp_version=2``,
+    ``FullyShardedDataParallelV2``; megatron-core main, the 0.20 line)."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+
+    return hasattr(adapter, "FullyShardedDataParallelV2")
+
+
+def _cuda_context_device(context: Callable[..., Any]) -> Callable[..., Any]:
+    # experimental/fully_shard.py ``fully_shard_context`` raises unless its device is CUDA; the
+    # device only names the streams it makes (the CPU shim's no-op streams): hand it a CUDA
+    # device, while every buffer is allocated on the mesh's (CPU) device.
+    @functools.wraps(context)
+    def wrapper(device: Any = None, **kwargs: Any) -> Any:
+        if device is None or torch.device(device).type == "cpu":
+            device = torch.device("cuda", 0)
+        return context(device=device, **kwargs)
+
+    return wrapper
+
+
+def _current_cpu_stream(self: Any) -> Any:
+    # experimental/module.py ``FsdpContext.current_stream`` reads ``allgather_stream.device``,
+    # which the CPU shim's no-op stream has not: on CPU there is only the current stream.
+    return torch.cuda.current_stream()
+
+
+def _recording_stream(init: Callable[..., None]) -> Callable[..., None]:
+    # experimental/dbuffer.py ``DBuffer.__init__`` records no allocation stream for a CPU
+    # buffer, while experimental/parameter_group.py asserts one (and compares it with the
+    # current stream): record the CPU shim's stream, which equals every other.
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.allocation_stream is None:
+            self.allocation_stream = torch.cuda.current_stream()
+
+    return wrapper
+
+
+def _v2_patches() -> list[Patch]:
+    """Megatron-FSDP v2's CPU patches (megatron-core main), on top of v1's."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import dbuffer, module
+
+    return [
+        # mcore_fsdp_adapter.py binds fully_shard_context by name.
+        Patch(adapter, "fully_shard_context", _cuda_context_device(adapter.fully_shard_context)),
+        Patch(module.FsdpContext, "current_stream", _current_cpu_stream),
+        Patch(dbuffer.DBuffer, "__init__", _recording_stream(dbuffer.DBuffer.__init__)),
+    ]
+
+
 def install_megatron_fsdp_cpu_patches() -> PatchSet:
     """Patch megatron-core so that ``FullyShardedDataParallel`` builds on CPU ranks.
 
-    Process-local and idempotent; ``uninstall()`` the handle to restore the originals. Needs the
+    Where megatron-core has Megatron-FSDP v2 (main), its patches too. Process-local and
+    idempotent; ``uninstall()`` the handle to restore the originals. Needs the
     CPU shim too (:func:`~norm_optim.testing.run_ranks` installs it). Also pass
     ``gradient_reduce_div_fusion=False`` in the DDP config: gloo has no ``PREMUL_SUM``
     (:func:`build_fsdp_model` does).
@@ -92,6 +150,8 @@ def install_megatron_fsdp_cpu_patches() -> PatchSet:
     ]
     if not isinstance(getattr(adapter, "TELinear", type), type):
         patches.append(Patch(adapter, "TELinear", _NoTELinear))
+    if has_megatron_fsdp_v2():
+        patches += _v2_patches()
     patches.append(Patch(adapter, _HANDLE_ATTR, None))
     handle = PatchSet.apply(patches)
     setattr(adapter, _HANDLE_ATTR, handle)
@@ -103,10 +163,17 @@ def build_fsdp_model(
     *,
     freeze: Sequence[str] = (),
     seed: int = 1234,
+    version: int = 1,
     **ddp_overrides: Any,
 ) -> list[torch.nn.Module]:
     """This rank's model as one Megatron-FSDP chunk, as Megatron-LM builds it with
     ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``.
+
+    ``version=2`` builds Megatron-FSDP v2 (``megatron_fsdp_version=2``, megatron-core main):
+    no distributed optimizer (pass ``use_distributed_optimizer=False`` to ``build_optimizer``
+    then, and ``clip_grad=0.0`` with experts: megatron's grad-norm helper asserts on dense and
+    expert grads living on different meshes), the process groups from the parallel state; v2
+    refuses TP / PP / CP > 1 itself.
 
     GPT on the local spec, ``Float16Module`` (bf16), then ``FullyShardedDataParallel`` on the
     CPU device. Megatron-FSDP has no pipeline axis: PP > 1 is a ``ValueError`` here (megatron
@@ -117,6 +184,7 @@ def build_fsdp_model(
         cfg: the logical model (:class:`~norm_optim.testing.models.TinyGPTConfig`).
         freeze: glob patterns of GPTModel param names to freeze before wrapping.
         seed: seeds megatron's weight init.
+        version: Megatron-FSDP 1 or 2 (``megatron_fsdp_version``).
         ddp_overrides: extra ``DistributedDataParallelConfig`` fields.
     """
     from megatron.core import parallel_state as ps
@@ -147,17 +215,26 @@ def build_fsdp_model(
     for param in _matching_params(gpt, freeze):
         param.requires_grad_(False)
     model: torch.nn.Module = Float16Module(config, gpt) if cfg.bf16 else gpt
+    extra: dict[str, Any] = {}
+    if version == 2:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        ddp_overrides = dict(megatron_fsdp_version=2, use_distributed_optimizer=False,
+                             **ddp_overrides)
+        extra["pg_collection"] = ProcessGroupCollection.use_mpu_process_groups()
     ddp_config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True,
-        data_parallel_sharding_strategy="optim_grads_params",
-        use_distributed_optimizer=True,
-        grad_reduce_in_fp32=True,
-        gradient_reduce_div_fusion=False,  # gloo has no PREMUL_SUM reduction
-        **ddp_overrides,
+        **{
+            "use_megatron_fsdp": True,
+            "data_parallel_sharding_strategy": "optim_grads_params",
+            "use_distributed_optimizer": True,
+            "grad_reduce_in_fp32": True,
+            "gradient_reduce_div_fusion": False,  # gloo has no PREMUL_SUM reduction
+            **ddp_overrides,
+        }
     )
     # On CUDA, Megatron-FSDP copies the weights to the current device itself.
     device = torch.device("cpu") if on_cpu else None
-    return [FullyShardedDataParallel(config, ddp_config, model, device=device)]
+    return [FullyShardedDataParallel(config, ddp_config, model, device=device, **extra)]
 
 
 def _cpu_shim_installed() -> bool:
@@ -189,3 +266,55 @@ def fill_fsdp_deterministic_(model_chunks: Sequence[torch.nn.Module], seed: int)
         for buffer in (group.model_weight_buffer, group.main_weight_buffer):
             if buffer is not None:
                 buffer.set_item(item, values.to(buffer.dtype))
+
+
+def fsdp_v2_parameter_groups(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:
+    """The Megatron-FSDP v2 parameter groups of the chunks (empty for anything else): each
+    ``fully_shard`` unit module's ``parameter_groups`` (``experimental/module.py``)."""
+    return [
+        group
+        for chunk in model_chunks
+        for unit in chunk.modules()
+        if hasattr(unit, "parameter_groups") and hasattr(unit, "context")
+        for group in getattr(unit, "parameter_groups")
+    ]
+
+
+def original_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """The model param behind a Megatron-FSDP stand-in: v1's DTensors keep ``orig_param``; v2's
+    sharded params are paired with it in their parameter group
+    (``experimental/parameter_group.py``, ``_mfsdp_parameter_group``)."""
+    original = getattr(param, "orig_param", None)
+    if original is not None:
+        return original
+    group_ref = getattr(param, "_mfsdp_parameter_group", None)
+    group = group_ref() if group_ref is not None else None
+    for pair in getattr(group, "fsdp_parameters", ()):
+        if pair.sharded is param:
+            return pair.unsharded
+    return param
+
+
+@torch.no_grad()
+def fill_fsdp_v2_deterministic_(model_chunks: Sequence[torch.nn.Module], seed: int) -> None:
+    """:func:`fill_fsdp_deterministic_` for Megatron-FSDP v2 chunks: each param's
+    layout-independent values, written into this rank's slice of its group's fp32
+    ``main_weight`` and (bf16) ``model_weight`` flat buffers, in place."""
+    from norm_optim.testing.oracle import deterministic_values, named_global_parameters
+
+    where: dict[int, tuple[Any, int]] = {}
+    for group in fsdp_v2_parameter_groups(model_chunks):
+        for index, pair in enumerate(group.fsdp_parameters):
+            where[id(pair.unsharded)] = (group, index)
+    for name, param in named_global_parameters(model_chunks):
+        group, index = where[id(param)]
+        flat = deterministic_values(name, param, seed).reshape(-1)
+        for buffer in {id(b): b for b in (group.main_weight, group.model_weight)}.values():
+            local = buffer.get_local_tensor(index)
+            if local.numel() == 0:
+                continue
+            # experimental/dbuffer.py: the local buffer starts at global element ``offset``,
+            # the param at ``layout.tensor_to_offset[index]``.
+            start = (buffer.offset + local.storage_offset() - buffer.local_buffer.storage_offset()
+                     - buffer.layout.tensor_to_offset[index])
+            local.copy_(flat[start:start + local.numel()].view_as(local).to(local.dtype))

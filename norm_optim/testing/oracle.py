@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
+from norm_optim.testing.megatron_fsdp import original_param
 from norm_optim.testing.models import unwrap_gpt
 
 __all__ = [
     "deterministic_values",
     "fill_deterministic_",
     "global_param_shapes",
+    "global_shape",
     "named_global_parameters",
     "oracle_norm",
     "oracle_sum_of_squares",
@@ -92,8 +94,8 @@ def named_global_parameters(
         gpt = unwrap_gpt(chunk)
         for name, param in gpt.named_parameters():
             # Megatron-FSDP swaps the module's params for DTensors of its main weights between
-            # steps; each keeps the original param (TP-local shape, megatron's markers).
-            yield _global_name(gpt, name), getattr(param, "orig_param", param)
+            # steps; each leads back to the original param (TP-local shape, megatron's markers).
+            yield _global_name(gpt, name), original_param(param)
 
 
 # Learnable attention sinks: one value per attention head, each TP rank holding its heads'
@@ -112,14 +114,23 @@ class _Split:
     stride: int = 1
 
 
-def _tp_split(name: str, param: torch.Tensor) -> _Split:
+def _tp_split(name: str, param: torch.Tensor, tp_group: Any = None) -> _Split:
     from megatron.core import parallel_state as ps
 
+    def group_split(dim: int = 0, stride: int = 1) -> _Split:
+        # a module with TP groups of its own (MIMO)
+        return _Split(torch.distributed.get_rank(tp_group),
+                      torch.distributed.get_world_size(tp_group), dim, stride)
+
     if name.endswith(_SINK):
+        if tp_group is not None:
+            return group_split()
         return _Split(ps.get_tensor_model_parallel_rank(),
                       ps.get_tensor_model_parallel_world_size())
     if not getattr(param, "tensor_model_parallel", False):
         return _Split()
+    if tp_group is not None:
+        return group_split(getattr(param, "partition_dim"), getattr(param, "partition_stride", 1))
     if _is_expert(name):
         rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     else:
@@ -152,23 +163,25 @@ def _tp_local_shape(param: torch.Tensor) -> list[int]:
     return shape
 
 
-def _global_shape(name: str, param: torch.Tensor) -> tuple[int, ...]:
-    split = _tp_split(name, param)
+def _global_shape(name: str, param: torch.Tensor, tp_group: Any = None) -> tuple[int, ...]:
+    split = _tp_split(name, param, tp_group)
     shape = _tp_local_shape(param)
     if split.size > 1:
         shape[split.dim] *= split.size
     return tuple(shape)
 
 
-def _global_flat_index(name: str, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _global_flat_index(
+    name: str, param: torch.Tensor, tp_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The index of each local element in the flattened global tensor (local shape, int64), and
     a mask of the local elements that are GTP padding (not part of the model).
 
     Megatron splits the partition dim into ``size * stride`` blocks and gives rank ``r`` blocks
     ``r, r + size, ...`` (``_initialize_affine_weight_cpu``); GTP then shards dim 0 of that.
     """
-    split = _tp_split(name, param)
-    global_shape = _global_shape(name, param)
+    split = _tp_split(name, param, tp_group)
+    global_shape = _global_shape(name, param, tp_group)
     tp_local = _tp_local_shape(param)
     gtp = _gtp_rows(param)
     strides = torch.empty(global_shape, device="meta").stride()
@@ -214,6 +227,14 @@ def fill_deterministic_(
             torch FSDP2 (DTensor) params into their local shards
             (:func:`~norm_optim.testing.torch_fsdp2.fill_dtensor_deterministic_`).
     """
+    from norm_optim.testing.megatron_fsdp import (
+        fill_fsdp_v2_deterministic_,
+        fsdp_v2_parameter_groups,
+    )
+
+    if fsdp_v2_parameter_groups(model_chunks):
+        fill_fsdp_v2_deterministic_(model_chunks, seed)
+        return
     if any(hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups")
            for c in model_chunks):
         # Megatron-FSDP: its params' data are not the weights; write into its buffers.
@@ -233,13 +254,21 @@ def fill_deterministic_(
         optimizer.reload_model_params()
 
 
-def deterministic_values(name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+def deterministic_values(
+    name: str, param: torch.Tensor, seed: int, *, tp_group: Any = None
+) -> torch.Tensor:
     """The values :func:`fill_deterministic_` gives this rank's ``param`` (its global ``name``):
-    float64, in the param's (local) shape, exact in bf16 and fp32."""
-    index, padding = _global_flat_index(name, param)
+    float64, in the param's (local) shape, exact in bf16 and fp32. ``tp_group``: the TP group
+    that splits the param, where it is not megatron's global one (a MIMO module's)."""
+    index, padding = _global_flat_index(name, param, tp_group)
     values = _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
     # GTP pad rows are not part of the model: a value there that a norm counted would show.
     return values.masked_fill(padding, _PADDING_VALUE)
+
+
+def global_shape(name: str, param: torch.Tensor, *, tp_group: Any = None) -> tuple[int, ...]:
+    """The unpartitioned shape of this rank's ``param`` (TP split by ``tp_group`` when given)."""
+    return _global_shape(name, param, tp_group)
 
 
 def global_param_shapes(
