@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from .comm import Communicator, ProcessGroup, Work
 from .errors import NormOptimError
 from .kernels import SumOfSquaresPlan
+from .name_exchange import exchange_names
+from .naming import expert_of, layer_of
 from .registry import ParamRegistry
 from .vocabulary import NotCounted
 
@@ -23,18 +25,43 @@ DENSE, EXPERT = 0, 1
 slots (when asked for) follow."""
 
 
+class NamedNorms(Mapping[str, torch.Tensor]):
+    """Norms by name, backed by one vector: a read costs one view, and a call builds no
+    per-name objects (the name index is built once per reducer and shared by every call)."""
+
+    def __init__(self, index: Mapping[str, int], values: torch.Tensor) -> None:
+        self._index, self.values = index, values
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.values[self._index[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"NamedNorms({len(self)} names)"
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamNorms:
     """Global L2 norms of the model's weights (0-dim float64 tensors on the reduction device).
 
-    ``dense**2 + expert**2 == total**2``. Reading a value (``float(norms.total)``) is the only
-    host sync.
+    ``dense**2 + expert**2 == total**2``. With ``per_param``: one norm per layout-independent
+    param name, and the rollups ``per_layer`` (by global layer, :func:`~norm_optim.naming.
+    layer_of`) and ``per_expert`` (by ``<layer>.<expert>``, :func:`~norm_optim.naming.expert_of`),
+    each the square root of a sum of per-param squares from the same all-reduce. Reading a value
+    (``float(norms.total)``) is the only host sync.
     """
 
     total: torch.Tensor
     dense: torch.Tensor
     expert: torch.Tensor
     per_param: Optional[Mapping[str, torch.Tensor]] = None
+    per_layer: Optional[Mapping[str, torch.Tensor]] = None
+    per_expert: Optional[Mapping[str, torch.Tensor]] = None
 
     def largest(self, k: int = 5) -> list[tuple[str, float]]:
         """The ``k`` largest per-parameter norms, largest first (reads the values: one sync)."""
@@ -62,7 +89,45 @@ class ParamNorms:
         if self.per_param is None:
             raise ValueError("these norms have no per-param breakdown: ask for per_param=True")
         names = list(self.per_param)
+        if isinstance(self.per_param, NamedNorms):
+            return names, self.per_param.values
         return names, torch.stack([self.per_param[n] for n in names]) if names else torch.zeros(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollup:
+    """Which per-param slots add up into which named group (a layer, an expert): built once."""
+
+    index: dict[str, int]  # group name -> position
+    members: torch.Tensor  # positions (in the per-param part) of the params in some group
+    groups: torch.Tensor  # the group of each member
+
+    @classmethod
+    def of(cls, names: Sequence[str], key: Callable[[str], Optional[str]],
+           device: torch.device) -> "_Rollup":
+        keyed = [(i, k) for i, k in enumerate(map(key, names)) if k is not None]
+        index = {k: g for g, k in enumerate(sorted({k for _, k in keyed}, key=_natural))}
+        members = torch.tensor([i for i, _ in keyed], dtype=torch.long, device=device)
+        groups = torch.tensor([index[k] for _, k in keyed], dtype=torch.long, device=device)
+        return cls(index, members, groups)
+
+    def norms(self, squares: torch.Tensor) -> NamedNorms:
+        sums = squares.new_zeros(len(self.index)).index_add_(0, self.groups, squares[self.members])
+        return NamedNorms(self.index, sums.sqrt_())
+
+
+def _natural(key: str) -> list[Any]:
+    """Sort ``"10"`` after ``"9"`` and ``"3.12"`` after ``"3.2"``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerParamSlots:
+    """What the per-param slots of a reduced vector mean (built once per reducer)."""
+
+    index: dict[str, int]  # layout-independent name -> position after the dense/expert slots
+    layers: _Rollup
+    experts: _Rollup
 
 
 class PendingNorms:
@@ -72,8 +137,9 @@ class PendingNorms:
     blocks until a value is read.
     """
 
-    def __init__(self, squares: torch.Tensor, work: Work, names: Optional[list[str]]) -> None:
-        self._squares, self._work, self._names = squares, work, names
+    def __init__(self, squares: torch.Tensor, work: Work,
+                 slots: Optional[_PerParamSlots]) -> None:
+        self._squares, self._work, self._slots = squares, work, slots
         self._result: Optional[ParamNorms] = None
 
     def wait(self) -> ParamNorms:
@@ -81,10 +147,13 @@ class PendingNorms:
             self._work.wait()
             norms = self._squares.sqrt()
             total = self._squares[: EXPERT + 1].sum().sqrt()
-            per_param = None
-            if self._names is not None:
-                per_param = dict(zip(self._names, norms[EXPERT + 1 :].unbind()))
-            self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], per_param)
+            slots, rollups = self._slots, {}
+            if slots is not None:
+                squares = self._squares[EXPERT + 1 :]
+                rollups = dict(per_param=NamedNorms(slots.index, norms[EXPERT + 1 :]),
+                               per_layer=slots.layers.norms(squares),
+                               per_expert=slots.experts.norms(squares))
+            self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], **rollups)
         return self._result
 
 
@@ -126,7 +195,7 @@ class NormReducer:
             self._split_plan()
         self._per_param_plan: Optional[SumOfSquaresPlan] = None
         self.names = names
-        self._labels: list[str] = []
+        self._slots: Optional[_PerParamSlots] = None
         self._kinds = torch.empty(0, dtype=torch.long)
 
     def launch(self, per_param: bool = False, async_op: bool = False) -> PendingNorms:
@@ -139,13 +208,14 @@ class NormReducer:
         else:
             squares = self._split_plan()
         work = self.comm.all_reduce_sum(squares, self.group, async_op)
-        return PendingNorms(squares, work, self._labels if per_param else None)
+        return PendingNorms(squares, work, self._slots if per_param else None)
 
     def _per_param(self) -> tuple[SumOfSquaresPlan, torch.Tensor]:
         """Build (once) the plan with one slot per layout-independent param name.
 
-        The names of all ranks are gathered once (one ``all_gather_object``, made by every rank
-        on its first per-param call) so that slot ``i`` means the same param everywhere.
+        The names of all ranks are exchanged once, by every rank on its first per-param call
+        (:func:`~norm_optim.name_exchange.exchange_names`: only distinct name lists travel), so
+        that slot ``i`` means the same param everywhere.
         """
         if self._per_param_plan is None:
             # Tied copies and excluded frozen params are no params of their own here.
@@ -163,10 +233,12 @@ class NormReducer:
             local = [r.global_name for r in records]
             if self.names is None:
                 mine = sorted({(name, r.expert) for name, r in zip(local, records)})
-                gathered = self.comm.all_gather_object(mine, self.group)
-                self.names = sorted(set().union(*map(set, gathered)))
-            self._labels = [name for name, _ in self.names]
-            slot = {name: EXPERT + 1 + i for i, name in enumerate(self._labels)}
+                self.names = exchange_names(mine, self.comm, self.group)
+            labels = [name for name, _ in self.names]
+            index = {name: i for i, name in enumerate(labels)}
+            self._slots = _PerParamSlots(index, _Rollup.of(labels, layer_of, self.device),
+                                         _Rollup.of(labels, expert_of, self.device))
+            slot = {name: EXPERT + 1 + i for name, i in index.items()}
             counted = [(r, n) for r, n in zip(records, local) if r.counted]
             self._per_param_plan = SumOfSquaresPlan(
                 [r.tensor for r, _ in counted],  # type: ignore[misc]
