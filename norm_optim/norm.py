@@ -17,7 +17,7 @@ from .errors import NormOptimError
 from .kernels import SumOfSquaresPlan
 from .name_exchange import exchange_names
 from .naming import expert_of, layer_of
-from .registry import ParamRegistry
+from .registry import ParamRecord, ParamRegistry
 from .vocabulary import NotCounted
 
 DENSE, EXPERT = 0, 1
@@ -157,6 +157,29 @@ class PendingNorms:
         return self._result
 
 
+def named_records(registry: ParamRegistry) -> list[ParamRecord]:
+    """The records that have a per-param slot: tied copies and excluded frozen params are no
+    params of their own.
+
+    Raises:
+        NormOptimError: the registry has no model (its stand-in names ``param0``, ``param1``...
+            mean different params on different ranks: summing them by name would mix params).
+    """
+    if registry.chunks is None:
+        raise NormOptimError(
+            "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
+            "(this optimizer does not know its model chunks)"
+        )
+    return [r for r in registry.records
+            if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)]
+
+
+def local_names(registry: ParamRegistry) -> list[tuple[str, bool]]:
+    """This rank's sorted ``(layout-independent name, expert)`` list: what it brings to the
+    names exchange."""
+    return sorted({(r.global_name, r.expert) for r in named_records(registry)})
+
+
 class NormReducer:
     """Sums of squares over a registry's counted tensors, reduced once over ``group``.
 
@@ -218,22 +241,10 @@ class NormReducer:
         that slot ``i`` means the same param everywhere.
         """
         if self._per_param_plan is None:
-            # Tied copies and excluded frozen params are no params of their own here.
-            records = [
-                r for r in self.registry.records
-                if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)
-            ]
-            if self.registry.chunks is None:
-                # Local stand-in names (param0, param1, ...) mean different params on different
-                # ranks: summing them by name would mix params.
-                raise NormOptimError(
-                    "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
-                    "(this optimizer does not know its model chunks)"
-                )
+            records = named_records(self.registry)
             local = [r.global_name for r in records]
             if self.names is None:
-                mine = sorted({(name, r.expert) for name, r in zip(local, records)})
-                self.names = exchange_names(mine, self.comm, self.group)
+                self.names = exchange_names(local_names(self.registry), self.comm, self.group)
             labels = [name for name, _ in self.names]
             index = {name: i for i, name in enumerate(labels)}
             self._slots = _PerParamSlots(index, _Rollup.of(labels, layer_of, self.device),

@@ -10,9 +10,9 @@ import torch
 
 from norm_optim.comm import Done, ProcessGroup, Work
 
-# What a simulated peer contributes: peers(kind, group rank) for kind "all_gather" (its tensor)
-# or "broadcast" (its object, when it is the root).
-Peers = Callable[[str, int], Any]
+# What a simulated peer contributes: peers(kind, group rank, i) for the i-th collective of that
+# kind: "all_gather" (its tensor) or "broadcast" (its object: it is the root).
+Peers = Callable[[str, int, int], Any]
 
 # torch's *_object collectives send each object's pickled size first, as one int64.
 _SIZE_BYTES = 8
@@ -47,6 +47,7 @@ class RecordingCommunicator:
         self._rank, self._size, self._device = rank, size, torch.device(device)
         self._peers = peers
         self.calls: list[tuple[str, ProcessGroup, Optional[torch.Size]]] = []
+        self._counts: dict[str, int] = {}
         self.traffic = Traffic()
 
     def is_distributed(self) -> bool:
@@ -77,8 +78,9 @@ class RecordingCommunicator:
 
     def all_gather_tensor(self, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         self.calls.append(("all_gather", group, tensor.shape))
+        index = self._count("all_gather")
         parts = [tensor if r == self._rank or self._peers is None
-                 else torch.as_tensor(self._peers("all_gather", r)).to(tensor)
+                 else torch.as_tensor(self._peers("all_gather", r, index)).to(tensor)
                  for r in range(self._size)]
         self.traffic.sent += tensor.nbytes
         self.traffic.received += tensor.nbytes * self._size
@@ -86,16 +88,21 @@ class RecordingCommunicator:
 
     def broadcast_object(self, obj: Any, src: int, group: ProcessGroup) -> Any:
         self.calls.append(("broadcast_object", group, None))
+        index = self._count("broadcast")
         if src != self._rank:
             if self._peers is None:
                 raise ValueError("a broadcast from another rank needs peers=...")
-            obj = self._peers("broadcast", src)
+            obj = self._peers("broadcast", src, index)
         nbytes = _SIZE_BYTES + len(pickle.dumps(obj))
         if src == self._rank:
             self.traffic.sent += nbytes
         else:
             self.traffic.received += nbytes
         return obj
+
+    def _count(self, kind: str) -> int:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        return self._counts[kind] - 1
 
     @property
     def num_all_reduces(self) -> int:
