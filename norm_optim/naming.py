@@ -11,7 +11,7 @@ squares add up in the same slot.
 from __future__ import annotations
 
 import re
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -91,3 +91,9 @@ def expert_of(name: str) -> "str | None":
     if layer is None or match is None:
         return None
     return f"{layer}.{match.group(1) or match.group(2)}"
+
+
+def natural_key(key: str) -> list[Any]:
+    """Sort key for layer / expert keys and names: ``"10"`` after ``"9"``, ``"3.12"`` after
+    ``"3.2"``, ``decoder.layers.10.`` after ``decoder.layers.9.``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[./]", key)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from .comm import Communicator, ProcessGroup, Work
 from .errors import NormOptimError
 from .kernels import SumOfSquaresPlan
 from .name_exchange import exchange_names
-from .naming import expert_of, layer_of
+from .naming import expert_of, layer_of, natural_key
 from .registry import ParamRecord, ParamRegistry
 from .vocabulary import NotCounted
 
@@ -106,7 +106,7 @@ class _Rollup:
     def of(cls, names: Sequence[str], key: Callable[[str], Optional[str]],
            device: torch.device) -> "_Rollup":
         keyed = [(i, k) for i, k in enumerate(map(key, names)) if k is not None]
-        index = {k: g for g, k in enumerate(sorted({k for _, k in keyed}, key=_natural))}
+        index = {k: g for g, k in enumerate(sorted({k for _, k in keyed}, key=natural_key))}
         members = torch.tensor([i for i, _ in keyed], dtype=torch.long, device=device)
         groups = torch.tensor([index[k] for _, k in keyed], dtype=torch.long, device=device)
         return cls(index, members, groups)
@@ -114,11 +114,6 @@ class _Rollup:
     def norms(self, squares: torch.Tensor) -> NamedNorms:
         sums = squares.new_zeros(len(self.index)).index_add_(0, self.groups, squares[self.members])
         return NamedNorms(self.index, sums.sqrt_())
-
-
-def _natural(key: str) -> list[Any]:
-    """Sort ``"10"`` after ``"9"`` and ``"3.12"`` after ``"3.2"``."""
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
 @dataclasses.dataclass(frozen=True)
