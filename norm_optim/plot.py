@@ -24,7 +24,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from .naming import natural_key
 
@@ -110,17 +110,13 @@ def plot_norms(data: PlotData, out: Path | str, title: Optional[str] = None,
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
-    from matplotlib.colors import TwoSlopeNorm
 
     out = Path(out)
     figure, (heat, lines) = plt.subplots(
         2, 1, figsize=(size[0] / _DPI, size[1] / _DPI), dpi=_DPI,
         gridspec_kw={"height_ratios": [3, 2]})
     relative = data.relative_layers()
-    finite = [v for row in relative for v in row if math.isfinite(v)] or [1.0]
-    spread = max(abs(max(finite) - 1.0), abs(1.0 - min(finite)), 1e-6)
-    image = heat.imshow(relative, aspect="auto", interpolation="nearest", cmap="RdBu_r",
-                        norm=TwoSlopeNorm(vcenter=1.0, vmin=1.0 - spread, vmax=1.0 + spread))
+    image = heat.imshow(relative, aspect="auto", interpolation="nearest", **_colors(relative))
     heat.set_yticks(range(len(data.layers)), labels=list(data.layers))
     ticks = _tick_positions(len(data.steps))
     heat.set_xticks(ticks, labels=[str(data.steps[i]) for i in ticks])
@@ -134,7 +130,7 @@ def plot_norms(data: PlotData, out: Path | str, title: Optional[str] = None,
     lines.set_ylabel("norm / first logged value")
     lines.set_title("fastest-growing params (first to last logged iteration)")
     if data.growing:
-        lines.legend(fontsize="small", loc="upper left")
+        lines.legend(fontsize="small", loc="best")
     if title:
         figure.suptitle(title)
     figure.tight_layout()
@@ -142,6 +138,19 @@ def plot_norms(data: PlotData, out: Path | str, title: Optional[str] = None,
     figure.savefig(out, dpi=_DPI)
     plt.close(figure)
     return out
+
+
+def _colors(relative: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """Red above 1 (grew), blue below (shrank), white at 1; one-sided when all moved one way."""
+    from matplotlib.colors import Normalize, TwoSlopeNorm
+
+    finite = [v for row in relative for v in row if math.isfinite(v)] or [1.0]
+    low, high = min(finite), max(finite)
+    if low < 1.0 < high:
+        return {"cmap": "RdBu_r", "norm": TwoSlopeNorm(vcenter=1.0, vmin=low, vmax=high)}
+    if high <= 1.0:
+        return {"cmap": "Blues_r", "norm": Normalize(vmin=low, vmax=1.0)}
+    return {"cmap": "Reds", "norm": Normalize(vmin=1.0, vmax=high)}
 
 
 def _relative(values: Sequence[float]) -> list[float]:
