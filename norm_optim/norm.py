@@ -99,21 +99,22 @@ class _Rollup:
     """Which per-param slots add up into which named group (a layer, an expert): built once."""
 
     index: dict[str, int]  # group name -> position
-    members: torch.Tensor  # positions (in the per-param part) of the params in some group
-    groups: torch.Tensor  # the group of each member
+    groups: torch.Tensor  # the group of each per-param slot; len(index) for none (dropped)
 
     @classmethod
     def of(cls, names: Sequence[str], key: Callable[[str], Optional[str]],
            device: torch.device) -> "_Rollup":
-        keyed = [(i, k) for i, k in enumerate(map(key, names)) if k is not None]
-        index = {k: g for g, k in enumerate(sorted({k for _, k in keyed}, key=natural_key))}
-        members = torch.tensor([i for i, _ in keyed], dtype=torch.long, device=device)
-        groups = torch.tensor([index[k] for _, k in keyed], dtype=torch.long, device=device)
-        return cls(index, members, groups)
+        keys = [key(name) for name in names]
+        index = {k: g for g, k in enumerate(sorted({k for k in keys if k is not None},
+                                                   key=natural_key))}
+        groups = torch.tensor([len(index) if k is None else index[k] for k in keys],
+                              dtype=torch.long, device=device)
+        return cls(index, groups)
 
     def norms(self, squares: torch.Tensor) -> NamedNorms:
-        sums = squares.new_zeros(len(self.index)).index_add_(0, self.groups, squares[self.members])
-        return NamedNorms(self.index, sums.sqrt_())
+        """The groups' norms from the per-param sums of squares (no copy of them)."""
+        sums = squares.new_zeros(len(self.index) + 1).index_add_(0, self.groups, squares)
+        return NamedNorms(self.index, sums[:-1].sqrt_())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +141,15 @@ class PendingNorms:
     def wait(self) -> ParamNorms:
         if self._result is None:
             self._work.wait()
-            norms = self._squares.sqrt()
-            total = self._squares[: EXPERT + 1].sum().sqrt()
-            slots, rollups = self._slots, {}
-            if slots is not None:
-                squares = self._squares[EXPERT + 1 :]
-                rollups = dict(per_param=NamedNorms(slots.index, norms[EXPERT + 1 :]),
-                               per_layer=slots.layers.norms(squares),
-                               per_expert=slots.experts.norms(squares))
+            squares, slots = self._squares, self._slots
+            total = squares[: EXPERT + 1].sum().sqrt()
+            rollups = {}
+            if slots is not None:  # sums of squares first, then the norms in place
+                tail = squares[EXPERT + 1 :]
+                rollups = dict(per_layer=slots.layers.norms(tail),
+                               per_expert=slots.experts.norms(tail))
+                rollups["per_param"] = NamedNorms(slots.index, tail)
+            norms = squares.sqrt_()  # the reduced vector is the result: no second one
             self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], **rollups)
         return self._result
 
@@ -221,8 +223,10 @@ class NormReducer:
         if per_param:
             plan, kinds = self._per_param()
             squares = plan()
-            # Dense and expert totals from the per-name slots, before the reduce (no second pass).
-            squares[: EXPERT + 1].index_add_(0, kinds, squares[EXPERT + 1 :].clone())
+            # Dense and expert totals from the per-name slots, before the reduce (no second pass;
+            # into a 2-vector first: the tail is not copied).
+            squares[: EXPERT + 1] += torch.zeros_like(squares[: EXPERT + 1]).index_add_(
+                0, kinds, squares[EXPERT + 1 :])
         else:
             squares = self._split_plan()
         work = self.comm.all_reduce_sum(squares, self.group, async_op)

@@ -34,7 +34,7 @@ def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
     rows = document["rows"]
     assert {(r["world"], r["method"]) for r in rows} == {
         (w, m) for w in (1, 4) for m in ("norm_optim", "norm_optim_per_param", "floor",
-                                         "attribute_walk", "fp32_copy")
+                                         "floor_per_param", "attribute_walk", "fp32_copy")
     }
     for row in rows:
         assert set(row) == FIELDS, set(row) ^ FIELDS
