@@ -26,14 +26,15 @@ slots (when asked for) follow."""
 
 
 class NamedNorms(Mapping[str, torch.Tensor]):
-    """Norms by name, backed by one vector: a read costs one view, and a call builds no
-    per-name objects (the name index is built once per reducer and shared by every call)."""
+    """Norms by name, backed by one vector (:attr:`vector`, in name order): a read costs one
+    view, and a call builds no per-name objects (the name index is built once per reducer and
+    shared by every call)."""
 
     def __init__(self, index: Mapping[str, int], values: torch.Tensor) -> None:
-        self._index, self.values = index, values
+        self._index, self.vector = index, values
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.values[self._index[name]]
+        return self.vector[self._index[name]]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
@@ -90,7 +91,7 @@ class ParamNorms:
             raise ValueError("these norms have no per-param breakdown: ask for per_param=True")
         names = list(self.per_param)
         if isinstance(self.per_param, NamedNorms):
-            return names, self.per_param.values
+            return names, self.per_param.vector
         return names, torch.stack([self.per_param[n] for n in names]) if names else torch.zeros(0)
 
 

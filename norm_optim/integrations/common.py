@@ -93,7 +93,7 @@ def scalars(norms: ParamNorms, breakdown: bool) -> dict[str, float]:
 
 def _values(named: Mapping[str, Any]) -> list[float]:
     if isinstance(named, NamedNorms):
-        return named.values.tolist()
+        return named.vector.tolist()
     return [float(v) for v in named.values()]
 
 
