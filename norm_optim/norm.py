@@ -30,8 +30,8 @@ class NamedNorms(Mapping[str, torch.Tensor]):
     view, and a call builds no per-name objects (the name index is built once per reducer and
     shared by every call)."""
 
-    def __init__(self, index: Mapping[str, int], values: torch.Tensor) -> None:
-        self._index, self.vector = index, values
+    def __init__(self, index: Mapping[str, int], vector: torch.Tensor) -> None:
+        self._index, self.vector = index, vector
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.vector[self._index[name]]
