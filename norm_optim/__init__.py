@@ -9,7 +9,7 @@ Wrap the optimizer once; ask for the norm at log intervals::
 
 from .comm import Communicator, TorchCommunicator
 from .errors import NormOptimError, ParallelStateError, UnknownParamError, UnsupportedOptimizerError
-from .norm import ParamNorms, PendingNorms
+from .norm import NamedNorms, ParamNorms, PendingNorms
 from .ownership import RankCoords
 from .registry import ParamRecord, ParamRegistry
 from .vocabulary import NotCounted, Source
@@ -17,6 +17,7 @@ from .wrapper import NormAwareOptimizer
 
 __all__ = [
     "Communicator",
+    "NamedNorms",
     "NormAwareOptimizer",
     "NotCounted",
     "NormOptimError",

@@ -56,6 +56,14 @@ class Communicator(Protocol):
 
     def all_gather_object(self, obj: Any, group: ProcessGroup) -> list[Any]: ...
 
+    def all_gather_tensor(self, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        """Every group rank's ``tensor`` (same shape everywhere), stacked in group-rank order."""
+        ...
+
+    def broadcast_object(self, obj: Any, src: int, group: ProcessGroup) -> Any:
+        """Group rank ``src``'s ``obj`` (picklable), on every rank of ``group``."""
+        ...
+
 
 class TorchCommunicator:
     """``torch.distributed`` when it is initialized; the identity in a plain single process."""
@@ -100,3 +108,18 @@ class TorchCommunicator:
         out: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, obj, group=group)
         return out
+
+    def all_gather_tensor(self, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        if not self.is_distributed():
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
+        return torch.stack(out)
+
+    def broadcast_object(self, obj: Any, src: int, group: ProcessGroup) -> Any:
+        if not self.is_distributed():
+            return obj
+        box = [obj]
+        root = src if group is None else dist.get_global_rank(group, src)
+        dist.broadcast_object_list(box, src=root, group=group)
+        return box[0]

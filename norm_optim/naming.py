@@ -11,7 +11,7 @@ squares add up in the same slot.
 from __future__ import annotations
 
 import re
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -54,3 +54,46 @@ def _walk(
             yield from _walk(child, "", experts)
             continue
         yield from _walk(child, f"{prefix}{child_name}.", experts)
+
+
+# A global name's layer: ``<stack>.layers.<global layer>.`` (the first such part of the name).
+_LAYER_PART = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# An indexed expert inside a layer: SequentialMLP's ``local_experts.<e>.`` (renamed to the global
+# expert above), or a TE grouped linear's ``weight<e>`` / ``bias<e>`` (renamed likewise).
+_EXPERT_PART = re.compile(
+    r"\.experts\.(?:local_experts\.(\d+)\.|linear_fc\d\.(?:weight|bias)(\d+)$)"
+)
+
+
+def layer_of(name: str) -> "str | None":
+    """The global layer a layout-independent param name belongs to, or None (embeddings,
+    final norms, output layer).
+
+    The decoder's layers are named by their number (``decoder.layers.3.mlp...`` -> ``"3"``);
+    another stack's keep its path (``mtp.layers.0...`` -> ``"mtp.0"``,
+    ``vision_model.decoder.layers.1...`` -> ``"vision_model.decoder.1"``), so that two stacks'
+    layers never share a key.
+    """
+    match = _LAYER_PART.search(name)
+    if match is None:
+        return None
+    stack = name[: match.start()]
+    return match.group(1) if stack == "decoder" else f"{stack}.{match.group(1)}"
+
+
+def expert_of(name: str) -> "str | None":
+    """The global expert a layout-independent param name belongs to, as ``<layer>.<expert>``
+    (expert 5 of layer 3: ``"3.5"``; experts of different layers are different weights), or
+    None: not an expert param, or a grouped weight that holds every local expert at once
+    (megatron's legacy ``GroupedMLP``)."""
+    layer = layer_of(name)
+    match = _EXPERT_PART.search(name)
+    if layer is None or match is None:
+        return None
+    return f"{layer}.{match.group(1) or match.group(2)}"
+
+
+def natural_key(key: str) -> list[Any]:
+    """Sort key for layer / expert keys and names: ``"10"`` after ``"9"``, ``"3.12"`` after
+    ``"3.2"``, ``decoder.layers.10.`` after ``decoder.layers.9.``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[./]", key)]

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from .comm import Communicator, ProcessGroup, Work
 from .errors import NormOptimError
 from .kernels import SumOfSquaresPlan
-from .registry import ParamRegistry
+from .name_exchange import exchange_names
+from .naming import expert_of, layer_of, natural_key
+from .registry import ParamRecord, ParamRegistry
 from .vocabulary import NotCounted
 
 DENSE, EXPERT = 0, 1
@@ -23,18 +25,44 @@ DENSE, EXPERT = 0, 1
 slots (when asked for) follow."""
 
 
+class NamedNorms(Mapping[str, torch.Tensor]):
+    """Norms by name, backed by one vector (:attr:`vector`, in name order): a read costs one
+    view, and a call builds no per-name objects (the name index is built once per reducer and
+    shared by every call)."""
+
+    def __init__(self, index: Mapping[str, int], vector: torch.Tensor) -> None:
+        self._index, self.vector = index, vector
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.vector[self._index[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"NamedNorms({len(self)} names)"
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamNorms:
     """Global L2 norms of the model's weights (0-dim float64 tensors on the reduction device).
 
-    ``dense**2 + expert**2 == total**2``. Reading a value (``float(norms.total)``) is the only
-    host sync.
+    ``dense**2 + expert**2 == total**2``. With ``per_param``: one norm per layout-independent
+    param name, and the rollups ``per_layer`` (by global layer, :func:`~norm_optim.naming.
+    layer_of`) and ``per_expert`` (by ``<layer>.<expert>``, :func:`~norm_optim.naming.expert_of`),
+    each the square root of a sum of per-param squares from the same all-reduce. Reading a value
+    (``float(norms.total)``) is the only host sync.
     """
 
     total: torch.Tensor
     dense: torch.Tensor
     expert: torch.Tensor
     per_param: Optional[Mapping[str, torch.Tensor]] = None
+    per_layer: Optional[Mapping[str, torch.Tensor]] = None
+    per_expert: Optional[Mapping[str, torch.Tensor]] = None
 
     def largest(self, k: int = 5) -> list[tuple[str, float]]:
         """The ``k`` largest per-parameter norms, largest first (reads the values: one sync)."""
@@ -62,7 +90,41 @@ class ParamNorms:
         if self.per_param is None:
             raise ValueError("these norms have no per-param breakdown: ask for per_param=True")
         names = list(self.per_param)
+        if isinstance(self.per_param, NamedNorms):
+            return names, self.per_param.vector
         return names, torch.stack([self.per_param[n] for n in names]) if names else torch.zeros(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollup:
+    """Which per-param slots add up into which named group (a layer, an expert): built once."""
+
+    index: dict[str, int]  # group name -> position
+    groups: torch.Tensor  # the group of each per-param slot; len(index) for none (dropped)
+
+    @classmethod
+    def of(cls, names: Sequence[str], key: Callable[[str], Optional[str]],
+           device: torch.device) -> "_Rollup":
+        keys = [key(name) for name in names]
+        index = {k: g for g, k in enumerate(sorted({k for k in keys if k is not None},
+                                                   key=natural_key))}
+        groups = torch.tensor([len(index) if k is None else index[k] for k in keys],
+                              dtype=torch.long, device=device)
+        return cls(index, groups)
+
+    def norms(self, squares: torch.Tensor) -> NamedNorms:
+        """The groups' norms from the per-param sums of squares (no copy of them)."""
+        sums = squares.new_zeros(len(self.index) + 1).index_add_(0, self.groups, squares)
+        return NamedNorms(self.index, sums[:-1].sqrt_())
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerParamSlots:
+    """What the per-param slots of a reduced vector mean (built once per reducer)."""
+
+    index: dict[str, int]  # layout-independent name -> position after the dense/expert slots
+    layers: _Rollup
+    experts: _Rollup
 
 
 class PendingNorms:
@@ -72,20 +134,48 @@ class PendingNorms:
     blocks until a value is read.
     """
 
-    def __init__(self, squares: torch.Tensor, work: Work, names: Optional[list[str]]) -> None:
-        self._squares, self._work, self._names = squares, work, names
+    def __init__(self, squares: torch.Tensor, work: Work,
+                 slots: Optional[_PerParamSlots]) -> None:
+        self._squares, self._work, self._slots = squares, work, slots
         self._result: Optional[ParamNorms] = None
 
     def wait(self) -> ParamNorms:
         if self._result is None:
             self._work.wait()
-            norms = self._squares.sqrt()
-            total = self._squares[: EXPERT + 1].sum().sqrt()
-            per_param = None
-            if self._names is not None:
-                per_param = dict(zip(self._names, norms[EXPERT + 1 :].unbind()))
-            self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], per_param)
+            squares, slots = self._squares, self._slots
+            total = squares[: EXPERT + 1].sum().sqrt()
+            rollups = {}
+            if slots is not None:  # sums of squares first, then the norms in place
+                tail = squares[EXPERT + 1 :]
+                rollups = dict(per_layer=slots.layers.norms(tail),
+                               per_expert=slots.experts.norms(tail))
+                rollups["per_param"] = NamedNorms(slots.index, tail)
+            norms = squares.sqrt_()  # the reduced vector is the result: no second one
+            self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], **rollups)
         return self._result
+
+
+def named_records(registry: ParamRegistry) -> list[ParamRecord]:
+    """The records that have a per-param slot: tied copies and excluded frozen params are no
+    params of their own.
+
+    Raises:
+        NormOptimError: the registry has no model (its stand-in names ``param0``, ``param1``...
+            mean different params on different ranks: summing them by name would mix params).
+    """
+    if registry.chunks is None:
+        raise NormOptimError(
+            "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
+            "(this optimizer does not know its model chunks)"
+        )
+    return [r for r in registry.records
+            if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)]
+
+
+def local_names(registry: ParamRegistry) -> list[tuple[str, bool]]:
+    """This rank's sorted ``(layout-independent name, expert)`` list: what it brings to the
+    names exchange."""
+    return sorted({(r.global_name, r.expert) for r in named_records(registry)})
 
 
 class NormReducer:
@@ -126,7 +216,7 @@ class NormReducer:
             self._split_plan()
         self._per_param_plan: Optional[SumOfSquaresPlan] = None
         self.names = names
-        self._labels: list[str] = []
+        self._slots: Optional[_PerParamSlots] = None
         self._kinds = torch.empty(0, dtype=torch.long)
 
     def launch(self, per_param: bool = False, async_op: bool = False) -> PendingNorms:
@@ -134,39 +224,32 @@ class NormReducer:
         if per_param:
             plan, kinds = self._per_param()
             squares = plan()
-            # Dense and expert totals from the per-name slots, before the reduce (no second pass).
-            squares[: EXPERT + 1].index_add_(0, kinds, squares[EXPERT + 1 :].clone())
+            # Dense and expert totals from the per-name slots, before the reduce (no second pass;
+            # into a 2-vector first: the tail is not copied).
+            squares[: EXPERT + 1] += torch.zeros_like(squares[: EXPERT + 1]).index_add_(
+                0, kinds, squares[EXPERT + 1 :])
         else:
             squares = self._split_plan()
         work = self.comm.all_reduce_sum(squares, self.group, async_op)
-        return PendingNorms(squares, work, self._labels if per_param else None)
+        return PendingNorms(squares, work, self._slots if per_param else None)
 
     def _per_param(self) -> tuple[SumOfSquaresPlan, torch.Tensor]:
         """Build (once) the plan with one slot per layout-independent param name.
 
-        The names of all ranks are gathered once (one ``all_gather_object``, made by every rank
-        on its first per-param call) so that slot ``i`` means the same param everywhere.
+        The names of all ranks are exchanged once, by every rank on its first per-param call
+        (:func:`~norm_optim.name_exchange.exchange_names`: only distinct name lists travel), so
+        that slot ``i`` means the same param everywhere.
         """
         if self._per_param_plan is None:
-            # Tied copies and excluded frozen params are no params of their own here.
-            records = [
-                r for r in self.registry.records
-                if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)
-            ]
-            if self.registry.chunks is None:
-                # Local stand-in names (param0, param1, ...) mean different params on different
-                # ranks: summing them by name would mix params.
-                raise NormOptimError(
-                    "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
-                    "(this optimizer does not know its model chunks)"
-                )
+            records = named_records(self.registry)
             local = [r.global_name for r in records]
             if self.names is None:
-                mine = sorted({(name, r.expert) for name, r in zip(local, records)})
-                gathered = self.comm.all_gather_object(mine, self.group)
-                self.names = sorted(set().union(*map(set, gathered)))
-            self._labels = [name for name, _ in self.names]
-            slot = {name: EXPERT + 1 + i for i, name in enumerate(self._labels)}
+                self.names = exchange_names(local_names(self.registry), self.comm, self.group)
+            labels = [name for name, _ in self.names]
+            index = {name: i for i, name in enumerate(labels)}
+            self._slots = _PerParamSlots(index, _Rollup.of(labels, layer_of, self.device),
+                                         _Rollup.of(labels, expert_of, self.device))
+            slot = {name: EXPERT + 1 + i for name, i in index.items()}
             counted = [(r, n) for r, n in zip(records, local) if r.counted]
             self._per_param_plan = SumOfSquaresPlan(
                 [r.tensor for r, _ in counted],  # type: ignore[misc]

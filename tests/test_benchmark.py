@@ -34,11 +34,12 @@ def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
     assert set(document["environment"]) == ENVIRONMENT
     rows = document["rows"]
     assert {(r["world"], r["method"]) for r in rows} == {
-        (w, m) for w in (1, 4) for m in ("norm_optim", "floor", "attribute_walk", "fp32_copy")
+        (w, m) for w in (1, 4) for m in ("norm_optim", "norm_optim_per_param", "floor",
+                                         "floor_per_param", "attribute_walk", "fp32_copy")
     }
     for row in rows:
         assert set(row) == FIELDS, set(row) ^ FIELDS
-        if row["method"] == "norm_optim":
+        if row["method"] in ("norm_optim", "norm_optim_per_param"):
             assert row["collectives"] == 1 and row["host_syncs"] == 0
             assert row["rel_error"] <= 1e-6
         # Reading the declarations is part of the registry build.

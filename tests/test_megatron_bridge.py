@@ -72,8 +72,9 @@ class _BridgeOwnNorm(Callback):  # type: ignore[misc]
         context.user_state.setdefault("bridge", []).append(float(norm))
 
 
-def _install(breakdown: bool = False) -> megatron_bridge.MegatronBridgeIntegration:
-    return megatron_bridge.install(breakdown=breakdown)
+def _install(breakdown: bool = False,
+             per_param: bool = False) -> megatron_bridge.MegatronBridgeIntegration:
+    return megatron_bridge.install(breakdown=breakdown, per_param=per_param)
 
 
 def _tensorboard(logdir: Path, tag: str) -> dict[int, float]:
@@ -85,11 +86,54 @@ def _tensorboard(logdir: Path, tag: str) -> dict[int, float]:
         else {}
 
 
-def _run(tmp_path: Path, world: int, breakdown: bool = False, **layout: Any) -> list[RankOutput]:
+def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files under ``logdir``: tag -> step -> value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)}
+            for tag in events.Tags()["scalars"]}
+
+
+def _run(tmp_path: Path, world: int, breakdown: bool = False, per_param: bool = True,
+         **layout: Any) -> list[RankOutput]:
     config = tiny_config(world_size=world, train_iters=ITERATIONS, log_interval=1, lr=0.0,
                          seed=SEED, tensorboard_dir=str(tmp_path / "tb"), **layout)
     return run_pretrain(config, world, callbacks=[_DeterministicWeights(), _BridgeOwnNorm()],
-                        before=lambda: _install(breakdown))
+                        before=lambda: _install(breakdown, per_param))
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _oracle_tags(shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """The oracle's value of every scalar ``install(per_param=True)`` writes, by tag: each
+    param, and each layer's and expert's params summed (grouped here from GPTModel's names,
+    apart from norm_optim.naming)."""
+    groups: dict[str, list[float]] = {}
+    for name, value in oracle_sum_of_squares(shapes, SEED).items():
+        groups[f"params-norm/param/{name}"] = [value]
+        if (layer := _LAYER.match(name)) is not None:
+            groups.setdefault(f"params-norm/layer/{layer.group(1)}", []).append(value)
+        if (expert := _EXPERT.match(name)) is not None:
+            tag = f"params-norm/expert/{expert.group(1)}.{expert.group(2)}"
+            groups.setdefault(tag, []).append(value)
+    return {tag: math.sqrt(math.fsum(values)) for tag, values in groups.items()}
+
+
+def _assert_per_param_scalars(tmp_path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The event file holds exactly the oracle's per-param / per-layer / per-expert tags, each
+    equal to the oracle at every step (TensorBoard stores float32)."""
+    expected = _oracle_tags(shapes)
+    written = {tag: steps for tag, steps in _scalars(tmp_path / "tb").items()
+               if tag.startswith("params-norm/")}
+    assert set(written) == set(expected), set(written) ^ set(expected)
+    for tag, steps in written.items():
+        assert sorted(steps) == list(range(1, ITERATIONS + 1)), tag
+        for value in steps.values():
+            assert value == pytest.approx(expected[tag], rel=1e-6), tag
 
 
 def _oracle(shapes: dict[str, tuple[int, ...]]) -> tuple[float, float, float]:
@@ -145,6 +189,7 @@ def test_logged_params_norm_is_exact(name: str, world1_shapes: dict[str, Any],
     ranks = _run(tmp_path, world, **layout)
 
     _assert_logged_norm(tmp_path, ranks, expected)
+    _assert_per_param_scalars(tmp_path, world1_shapes[kind])
     # Bridge's own function agrees on these layouts (float32 sums: to ~1e-6).
     for bridge in ranks[-1].user_state["bridge"]:
         assert bridge == pytest.approx(expected, rel=1e-5)
@@ -163,6 +208,7 @@ def test_two_distributed_optimizer_instances(kind: str, world1_shapes: dict[str,
 
     for value in _tensorboard(tmp_path / "tb", "params-norm").values():
         assert value == pytest.approx(expected, rel=1e-6)
+    _assert_per_param_scalars(tmp_path, world1_shapes[kind])
     bridge = ranks[-1].user_state["bridge"][-1]
     print(f"\n{kind}, 2 distributed-optimizer instances: norm_optim {expected:.6f}, "
           f"Bridge's calc_params_l2_norm {bridge:.6f} (ratio {bridge / expected:.6f})")
@@ -189,6 +235,7 @@ def test_megatron_fsdp(name: str, world1_shapes: dict[str, Any], tmp_path: Path)
     ranks = _run(tmp_path, world, megatron_fsdp=True, **layout)
 
     _assert_logged_norm(tmp_path, ranks, expected)
+    _assert_per_param_scalars(tmp_path, world1_shapes["moe" if moe else "dense"])
     bridge = [rank.user_state["bridge"][-1] for rank in ranks]
     print(f"\nMegatron-FSDP {name}: norm_optim {expected:.6f}, Bridge's calc_params_l2_norm "
           f"on ranks 0..{world - 1}: {', '.join(f'{b:.6f}' for b in bridge)}")
@@ -249,8 +296,9 @@ class _CountedReads(Callback):  # type: ignore[misc]
 ])
 def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool],
                                        tmp_path: Path) -> None:
-    """The norm (one all-reduce) is computed at exactly the iterations whose log prints or
-    writes it, on every rank alike (the print and the writer are on the last rank only)."""
+    """The norm (one all-reduce, per-param norms included) is computed at exactly the
+    iterations whose log prints or writes it, on every rank alike (the print and the writer are
+    on the last rank only)."""
     log_interval, tensorboard_interval, tensorboard = intervals
     iterations = 4
     counter = _CountedReads()
@@ -258,7 +306,8 @@ def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool],
                          tensorboard_log_interval=tensorboard_interval,
                          tensorboard_dir=str(tmp_path / "tb") if tensorboard else None)
     ranks = run_pretrain(config, 2, callbacks=[counter],
-                         before=lambda: megatron_bridge.install(comm=counter.comm))
+                         before=lambda: megatron_bridge.install(comm=counter.comm,
+                                                                 per_param=True))
 
     steps = range(1, iterations + 1)
     printed = [s for s in steps if s % log_interval == 0]
@@ -407,3 +456,53 @@ def test_torch_fsdp2(name: str, tmp_path: Path) -> None:
     _assert_logged_norm(tmp_path, ranks, expected)
     for bridge in ranks[-1].user_state["bridge"]:
         assert bridge == pytest.approx(expected, rel=1e-5)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after the 8-byte signature)."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR", header
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def test_plot_of_a_real_run(tmp_path: Path) -> None:
+    """``python -m norm_optim.plot`` on the TensorBoard directory of a real ``pretrain()`` (MoE
+    EP2, lr > 0, per-param norms): a PNG of the documented size, and what it draws is what the
+    run logged (the per-layer norms at every step; the params whose last / first ratio is
+    largest)."""
+    pytest.importorskip("matplotlib")
+    from norm_optim import plot
+
+    iterations, top = 4, 3
+    config = tiny_config(world_size=2, train_iters=iterations, lr=1e-2, num_experts=4, ep=2,
+                         tensorboard_dir=str(tmp_path / "tb"))
+    run_pretrain(config, 2, before=lambda: megatron_bridge.install(per_param=True))
+    out = tmp_path / "norms.png"
+    assert plot.main([str(tmp_path / "tb"), "-o", str(out), "--top", str(top)]) == 0
+
+    assert out.is_file() and _png_size(out) == plot.SIZE
+    logged = _scalars(tmp_path / "tb")
+    data = plot.load_norms(tmp_path / "tb", top_k=top)
+    steps = list(range(1, iterations + 1))
+    assert data.steps == steps
+    layers = {tag.removeprefix("params-norm/layer/"): values for tag, values in logged.items()
+              if tag.startswith("params-norm/layer/")}
+    assert set(data.layers) == set(layers) == {"0", "1"}
+    for layer, values in data.layers.items():
+        assert values == [layers[layer][s] for s in steps]
+    params = {tag.removeprefix("params-norm/param/"): values for tag, values in logged.items()
+              if tag.startswith("params-norm/param/")}
+    ratios = {name: v[iterations] / v[1] for name, v in params.items() if v[1] > 0}
+    assert list(data.growing) == sorted(ratios, key=lambda n: (-ratios[n], n))[:top]
+    for name, (got_steps, values) in data.growing.items():
+        assert got_steps == steps and values == [params[name][s] for s in steps]
+    assert data.relative_layers()[0][0] == 1.0 and len(set(data.relative_layers()[0])) > 1
+
+
+def test_plot_refuses_a_run_without_per_param_norms(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from norm_optim import plot
+
+    with pytest.raises(ValueError, match=r"no params-norm/layer/<layer> scalars under .*"
+                                         r"install\(per_param=True\)"):
+        plot.load_norms(tmp_path)

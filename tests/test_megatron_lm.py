@@ -54,14 +54,28 @@ _PRINTED = re.compile(r" params norm: ([0-9.]+) \|")
 
 
 class CountingCommunicator(TorchCommunicator):
-    """torch.distributed, counting norm_optim's all-reduces (to see when they run)."""
+    """torch.distributed, counting norm_optim's all-reduces and its other collectives (the
+    per-param names exchange), to see when they run."""
 
     def __init__(self) -> None:
         self.all_reduces = 0
+        self.others = 0
 
     def all_reduce_sum(self, tensor: Any, group: Any, async_op: bool) -> Any:
         self.all_reduces += 1
         return super().all_reduce_sum(tensor, group, async_op)
+
+    def all_gather_tensor(self, tensor: Any, group: Any) -> Any:
+        self.others += 1
+        return super().all_gather_tensor(tensor, group)
+
+    def broadcast_object(self, obj: Any, src: int, group: Any) -> Any:
+        self.others += 1
+        return super().broadcast_object(obj, src, group)
+
+    def all_gather_object(self, obj: Any, group: Any) -> Any:
+        self.others += 1
+        return super().all_gather_object(obj, group)
 
 
 def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
@@ -83,10 +97,16 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         recording_tensorboard_patches,
         tiny_gpt_args,
     )
-    from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
+    from norm_optim.testing.oracle import (
+        fill_deterministic_,
+        global_param_shapes,
+        oracle_norm,
+        oracle_sum_of_squares,
+    )
     from norm_optim.testing.patching import Patch, patches_applied
 
-    seen: dict[str, Any] = {"logged": [], "all_reduces": [], "reference": []}
+    seen: dict[str, Any] = {"logged": [], "all_reduces": [], "others": [], "reference": [],
+                            "values": []}
     setup, training_log = training.setup_model_and_optimizer, training.training_log
     comm = CountingCommunicator()
     model_holder: list = []
@@ -100,6 +120,7 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         seen["oracle"] = oracle_norm(shapes, SEED)
         seen["oracle_expert"] = oracle_norm(
             {n: s for n, s in shapes.items() if ".mlp.experts." in n}, SEED)
+        seen["oracle_sums"] = oracle_sum_of_squares(shapes, SEED)
         model_holder.append(model)
         return model, optimizer, scheduler
 
@@ -110,7 +131,9 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         bound = signature.bind(*args, **kwargs).arguments
         iteration, params_norm = bound["iteration"], bound["params_norm"]
         seen["logged"].append((iteration, None if params_norm is None else float(params_norm)))
+        seen["values"].append(params_norm)
         seen["all_reduces"].append(comm.all_reduces)
+        seen["others"].append(comm.others)
         if megatron_reference:
             seen["reference"].append(calc_params_l2_norm(model_holder[-1]))
         return training_log(*args, **kwargs)
@@ -152,6 +175,56 @@ def _assert_serves_oracle(results: list[dict], iterations: int = 3) -> dict:
     return last
 
 
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
+_GROWING = re.compile(r" \| fastest-growing params: ((?:\S+ x[0-9.]+(?:, )?)+) \|")
+TENSORBOARD = ("--tensorboard-dir", "unused-by-the-recording-writer",
+               "--tensorboard-log-interval", "1")
+
+
+def _oracle_rollups(sums: dict[str, float]) -> dict[str, float]:
+    """The oracle's norm of every scalar ``install(per_param=True)`` writes, by tag: each param,
+    and each layer's and expert's params summed (grouped here from GPTModel's names, apart from
+    norm_optim.naming)."""
+    groups: dict[str, list[float]] = {}
+    for name, value in sums.items():
+        groups[f"params-norm/param/{name}"] = [value]
+        if (layer := _LAYER.match(name)) is not None:
+            groups.setdefault(f"params-norm/layer/{layer.group(1)}", []).append(value)
+        if (expert := _EXPERT.match(name)) is not None:
+            tag = f"params-norm/expert/{expert.group(1)}.{expert.group(2)}"
+            groups.setdefault(tag, []).append(value)
+    return {tag: math.sqrt(math.fsum(values)) for tag, values in groups.items()}
+
+
+def _assert_per_param_scalars(last: dict, steps: Any) -> None:
+    """At every step: exactly the oracle's per-param / per-layer / per-expert tags, each equal
+    to the oracle (TensorBoard gets float64 values here: rel 1e-6 holds)."""
+    expected = _oracle_rollups(last["oracle_sums"])
+    assert any(tag.startswith("params-norm/expert/") for tag in expected) == (
+        last["oracle_expert"] > 0)
+    for step in steps:
+        written = {tag: value for tag, value, s in last["scalars"]
+                   if s == step and tag.startswith("params-norm/")}
+        assert set(written) == set(expected), set(written) ^ set(expected)
+        for tag, value in written.items():
+            assert value == pytest.approx(expected[tag], rel=REL), tag
+
+
+def _assert_growing_field(last: dict, names: set[str]) -> None:
+    """From the second logged line on: the three fastest-growing params, as the value the loop
+    got lists them."""
+    lines = last["log_lines"]
+    assert _GROWING.search(lines[0]) is None, lines[0]  # nothing to compare with yet
+    for line, value in zip(lines[1:], [v for v in last["values"] if v is not None][1:]):
+        field = _GROWING.search(line)
+        assert field is not None, line
+        shown = [item.rsplit(" x", 1) for item in field.group(1).split(", ")]
+        assert len(shown) == 3 and {name for name, _ in shown} <= names, shown
+        assert [(n, float(r)) for n, r in shown] == [
+            (n, pytest.approx(r, abs=1e-4)) for n, r in value.growing]
+
+
 LAYOUTS = {  # name: (world size, tiny_gpt_args options)
     "dense-dp2": (2, {}),
     "dense-tp2-pp2": (4, dict(tp=2, pp=2)),
@@ -162,9 +235,14 @@ LAYOUTS = {  # name: (world size, tiny_gpt_args options)
 @needs_loop
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pretrain_logs_the_oracle_norm(layout: str) -> None:
+    """The total, and with ``per_param`` every per-param / per-layer / per-expert scalar, equal
+    the oracle at every iteration; the log line names the fastest-growing params."""
     world, options = LAYOUTS[layout]
-    results = run_ranks(_run, world, dict(options, lr=0.0), install={}, timeout=TIMEOUT)
-    _assert_serves_oracle(results)
+    results = run_ranks(_run, world, dict(options, lr=0.0, extra=TENSORBOARD),
+                        install=dict(per_param=True), timeout=TIMEOUT)
+    last = _assert_serves_oracle(results)
+    _assert_per_param_scalars(last, steps=(1, 2, 3))
+    _assert_growing_field(last, set(last["oracle_sums"]))
 
 
 # Megatron-LM's --use-torch-fsdp2 allows no distributed optimizer and untied embeddings only.
@@ -205,7 +283,10 @@ def test_two_distributed_optimizer_instances() -> None:
         assert printed == _printed(logged)
         assert abs(printed - plain["oracle"]) > 1.0  # visibly wrong in Megatron's own log
 
-    _assert_serves_oracle(run_ranks(_run, 4, options, install={}, timeout=TIMEOUT))
+    options["extra"] = TENSORBOARD
+    last = _assert_serves_oracle(run_ranks(_run, 4, options, install=dict(per_param=True),
+                                           timeout=TIMEOUT))
+    _assert_per_param_scalars(last, steps=(1, 2, 3))
 
 
 @needs_loop
@@ -229,7 +310,8 @@ def test_breakdown_in_log_line_and_tensorboard() -> None:
 
 @needs_loop
 def test_norm_is_read_only_when_logged() -> None:
-    """One all-reduce at each iteration whose log reads the norm, on every rank, none otherwise.
+    """One all-reduce at each iteration whose log reads the norm, on every rank, none otherwise,
+    with ``per_param`` (whose names exchange runs once, at the first logged iteration).
 
     ``--log-interval 2 --tensorboard-log-interval 3``, 5 iterations: printed at 1 (the first),
     2 and 4, written to TensorBoard (last rank) at 3; iteration 5 reads nothing. lr > 0, so the
@@ -238,13 +320,17 @@ def test_norm_is_read_only_when_logged() -> None:
     options = dict(lr=1e-2, train_iters=5, log_interval=2,
                    extra=("--tensorboard-dir", "unused-by-the-recording-writer",
                           "--tensorboard-log-interval", "3"))
-    results = run_ranks(_run, 2, options, install={}, fill=False, megatron_reference=True,
-                        timeout=TIMEOUT)
+    results = run_ranks(_run, 2, options, install=dict(per_param=True), fill=False,
+                        megatron_reference=True, timeout=TIMEOUT)
     for seen in results:  # every rank decides alike
         assert [it for it, _ in seen["logged"]] == [1, 2, 3, 4, 5]
         assert [v is not None for _, v in seen["logged"]] == [True, True, True, True, False]
         counts = seen["all_reduces"]
         assert [b - a for a, b in zip(counts, counts[1:])] == [1, 1, 1, 0]
+        # The names exchange (a digest gather and a broadcast: DP replicas hold one list) ran
+        # before the first logged iteration's log, and never again.
+        others = seen["others"]
+        assert others[0] == 2 and others == [others[0]] * 5, others
         for (_, value), reference in zip(seen["logged"], seen["reference"]):
             if value is not None:
                 assert value == pytest.approx(reference, rel=REL)
@@ -254,6 +340,11 @@ def test_norm_is_read_only_when_logged() -> None:
     assert last["printed"] == [_printed(values[it]) for it in (1, 2, 4)]
     written = [(step, value) for tag, value, step in last["scalars"] if tag == "params-norm"]
     assert written == [(3, pytest.approx(values[3], rel=REL))]
+    # The per-param scalars, written at 3 only, add up to the total.
+    per_param = [value for tag, value, step in last["scalars"]
+                 if tag.startswith("params-norm/param/")]
+    assert math.sqrt(math.fsum(v * v for v in per_param)) == pytest.approx(values[3], rel=REL)
+    assert {step for tag, _, step in last["scalars"] if tag.startswith("params-norm/")} == {3}
 
 
 RESUMES = {

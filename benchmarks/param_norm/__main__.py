@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from . import __doc__ as _PACKAGE_DOC
+from . import names
 from .cases import select_cases
 from .measure import Options
 from .plots import plot
@@ -39,11 +40,21 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
     parser.add_argument("--replot", type=Path, nargs="+",
                         help="plot rows from these JSON files instead of running")
+    parser.add_argument("--names-exchange", action="store_true",
+                        help="only the bytes of the per-param names exchange at simulated "
+                             "world sizes up to 16,384 (one process, seconds)")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.names_exchange:
+        table = names.rows()
+        print(names.format_rows(table))
+        if args.json:
+            write_json(args.json, [], {**environment(), "names_exchange": table})
+            print(f"# wrote {args.json}")
+        return 0
     if args.replot:
         for path in plot(read_rows(args.replot), args.plot_dir or Path(".")):
             print(f"# wrote {path}")

@@ -56,6 +56,13 @@ def norm_optim(bench: Bench) -> NormFn:
     return bench.wrapped.param_l2_norm
 
 
+def norm_optim_per_param(bench: Bench) -> NormFn:
+    """``param_l2_norms(per_param=True)``: the total and one norm per param (and per layer /
+    expert) in the same all-reduce, as ``install(per_param=True)`` reads it at logged
+    iterations (the names exchange runs at the first, untimed call)."""
+    return lambda: bench.wrapped.param_l2_norms(per_param=True).total
+
+
 def floor(bench: Bench) -> NormFn:
     """The least any implementation can do: one fused kernel over exactly the fp32 tensors this
     rank counts (norm_optim's own choice, listed once), one all-reduce, a square root."""
@@ -69,6 +76,29 @@ def floor(bench: Bench) -> NormFn:
         squares = fused_sum_of_squares(tensors, bench.device)
         dist.all_reduce(squares)
         return squares.sqrt()
+
+    return call
+
+
+def floor_per_param(bench: Bench) -> NormFn:
+    """The least a per-param call can do: one fused kernel's per-tensor norms over the counted
+    fp32 tensors, their squares added into one slot per param name (one ``index_add_``), one
+    all-reduce of that ``8 x (names + 2)``-byte vector, a square root. Next to ``floor`` it
+    shows what the longer all-reduce alone costs."""
+    names = list(bench.wrapped.param_l2_norms(per_param=True).per_param or {})
+    slot = {name: i + 2 for i, name in enumerate(names)}
+    counted = [r for r in bench.wrapped.registry.counted if isinstance(r.tensor, torch.Tensor)]
+    tensors = [r.tensor for r in counted if r.tensor.numel()]
+    index = torch.tensor([slot[r.global_name] for r in counted if r.tensor.numel()],
+                         dtype=torch.long, device=bench.device)
+
+    def call() -> torch.Tensor:
+        squares = torch.zeros(len(names) + 2, dtype=torch.float64, device=bench.device)
+        if tensors:
+            norms = torch.stack(torch._foreach_norm(tensors)).double()
+            squares.index_add_(0, index, norms.square_())
+        dist.all_reduce(squares)
+        return squares[2:].sum().sqrt()
 
     return call
 
@@ -171,14 +201,19 @@ def get_total_norm(bench: Bench) -> NormFn:
 
 METHODS: tuple[Method, ...] = (
     Method("norm_optim", norm_optim),
+    Method("norm_optim_per_param", norm_optim_per_param),
     Method("floor", floor),
+    Method("floor_per_param", floor_per_param),
     Method("attribute_walk", attribute_walk_of(read_main_param)),
     Method("fp32_copy", attribute_walk_of(read_fp32_copy)),
 )
 # Megatron-FSDP has no main_param attributes to walk: its own walk replaces the two walks.
 FSDP_METHODS: tuple[Method, ...] = (
     Method("norm_optim", norm_optim),
+    Method("norm_optim_per_param", norm_optim_per_param),
+    Method("norm_optim_per_param", norm_optim_per_param),
     Method("floor", floor),
+    Method("floor_per_param", floor_per_param),
     Method("dtensor_walk", dtensor_walk),
 )
 # torch FSDP2: Megatron-LM's walk as it runs there, and torch's own function.

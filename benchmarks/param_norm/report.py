@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import types
@@ -22,6 +23,7 @@ Row = Mapping[str, Any]
 TARGET_PEAK_BYTES = 1 << 20
 TARGET_REL_ERROR = 1e-6
 TARGET_X_FLOOR = 1.1
+TARGET_PER_PARAM_X_TOTAL = 1.3  # issue #21, MoE cases
 # A GPU has far more bandwidth to spare for a walk's many small kernels than a CPU core.
 TARGET_WALK_SPEEDUP: Mapping[str, float] = types.MappingProxyType({"cpu": 2.0, "cuda": 10.0})
 MANY_TENSORS = 5000
@@ -81,9 +83,21 @@ def _verdict(bad: Sequence[Row], show: Callable[[Row], str]) -> str:
 
 
 def check_targets(rows: Sequence[Row]) -> list[str]:
-    """One line per target of issue #4 for ``norm_optim``: met, or missed and where."""
+    """One line per target of issue #4 for ``norm_optim`` (and of issue #21 for
+    ``norm_optim_per_param``): met, or missed and where."""
     ours = [r for r in rows if r["method"] == "norm_optim"]
+    per_param = [r for r in rows if r["method"] == "norm_optim_per_param"]
+    moe_per_param = [r for r in per_param if r["kind"] == "moe"]
     cases = by_case(rows)
+
+    def x_floor_all_reduce(r: Row) -> float:
+        methods = cases[(r["case"], r["world"])]
+        if "floor_per_param" not in methods:
+            return math.nan
+        return float(methods["floor_per_param"]["median_s"] / methods["floor"]["median_s"])
+
+    def x_total(r: Row) -> float:
+        return float(r["median_s"] / cases[(r["case"], r["world"])]["norm_optim"]["median_s"])
 
     def x_floor(r: Row) -> float:
         return float(r["median_s"] / cases[(r["case"], r["world"])]["floor"]["median_s"])
@@ -110,8 +124,13 @@ def check_targets(rows: Sequence[Row]) -> list[str]:
                 [r for r in many if x_walk(r) < speedup[r["device"]]],
                 lambda r: f"{x_walk(r):.2f}x")),
         "1 collective, 0 host syncs: " + _verdict(
-            [r for r in ours if r["collectives"] != 1 or r["host_syncs"] != 0],
-            lambda r: f"{r['collectives']} / {r['host_syncs']}"),
+            [r for r in ours + per_param if r["collectives"] != 1 or r["host_syncs"] != 0],
+            lambda r: f"{r['method']} {r['collectives']} / {r['host_syncs']}"),
+        f"per-param <= {TARGET_PER_PARAM_X_TOTAL}x total-only (MoE): " + (
+            "no such case" if not moe_per_param else _verdict(
+                [r for r in moe_per_param if x_total(r) > TARGET_PER_PARAM_X_TOTAL],
+                lambda r: f"{x_total(r):.2f}x (floor_per_param / floor: "
+                          f"{x_floor_all_reduce(r):.2f}x)")),
     ]
 
 

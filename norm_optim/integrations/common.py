@@ -1,35 +1,50 @@
-"""What the loop integrations share: the deferred params-norm marker and the breakdown value."""
+"""What the loop integrations share: the deferred params-norm marker, the logged value and the
+scalars written next to the loops' own ``params-norm``."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import NormOptimError
-from ..norm import ParamNorms
+from ..norm import NamedNorms, ParamNorms
 
 
-class ParamsNormWithBreakdown(float):
+class LoggedParamsNorm(float):
     """The total params norm (a ``float``: TensorBoard / W&B get the total) that also shows the
-    dense and expert norms wherever it is formatted.
+    dense and expert norms, and the params that grew fastest, wherever it is formatted.
 
     Megatron-LM's and Megatron-Bridge's ``training_log`` print
     ``f' params norm: {params_norm:.3f} |'``; with this value the line reads
-    `` params norm: 20.017 | params norm dense: 18.305 | params norm expert: 8.100 |``.
+    `` params norm: 20.017 | params norm dense: 18.305 | params norm expert: 8.100 |``
+    (``breakdown``), and with ``per_param`` ends in
+    `` | fastest-growing params: decoder.layers.1.mlp.linear_fc1.weight x1.0123, ... |``.
     """
 
-    dense: float
-    expert: float
+    dense: Optional[float]
+    expert: Optional[float]
+    growing: tuple[tuple[str, float], ...]
 
-    def __new__(cls, total: float, dense: float, expert: float) -> "ParamsNormWithBreakdown":
+    def __new__(cls, total: float, dense: Optional[float] = None,
+                expert: Optional[float] = None,
+                growing: Sequence[tuple[str, float]] = ()) -> "LoggedParamsNorm":
         value = super().__new__(cls, total)
-        value.dense = dense
-        value.expert = expert
+        value.dense, value.expert, value.growing = dense, expert, tuple(growing)
         return value
 
     def __format__(self, spec: str) -> str:
-        total = float.__format__(self, spec)
-        return (f"{total} | params norm dense: {self.dense:{spec}} | "
-                f"params norm expert: {self.expert:{spec}}")
+        parts = [float.__format__(self, spec)]
+        if self.dense is not None and self.expert is not None:
+            parts += [f"params norm dense: {self.dense:{spec}}",
+                      f"params norm expert: {self.expert:{spec}}"]
+        if self.growing:
+            parts.append("fastest-growing params: " + ", ".join(
+                f"{name} x{ratio:.4f}" for name, ratio in self.growing))
+        return " | ".join(parts)
+
+
+ParamsNormWithBreakdown = LoggedParamsNorm
+"""The former name of :class:`LoggedParamsNorm` (``ParamsNormWithBreakdown(total, dense,
+expert)``)."""
 
 
 class DeferredParamsNorm:
@@ -54,24 +69,81 @@ class DeferredParamsNorm:
         return "<params norm: read by training_log at log intervals>"
 
 
-def logged_value(norms: Optional[ParamNorms], breakdown: bool) -> Optional[float]:
-    """What a loop's ``training_log`` gets as ``params_norm``: None where it does not read it,
-    else the total (a :class:`ParamsNormWithBreakdown` when ``breakdown``)."""
-    if norms is None:
-        return None
+TAG = "params-norm"
+"""The scalar the loops write themselves; norm_optim's own scalars are named under it."""
+
+
+def scalars(norms: ParamNorms, breakdown: bool) -> dict[str, float]:
+    """The scalars norm_optim writes next to the loop's own ``params-norm``.
+
+    ``params-norm-dense`` / ``params-norm-expert`` with ``breakdown``; with per-param norms,
+    ``params-norm/param/<name>`` (layout-independent name), ``params-norm/layer/<layer>`` and
+    ``params-norm/expert/<layer>.<expert>`` (:mod:`norm_optim.naming`). Reads every value in
+    one host transfer per mapping.
+    """
+    out: dict[str, float] = {}
     if breakdown:
-        return ParamsNormWithBreakdown(float(norms.total), float(norms.dense), float(norms.expert))
-    return float(norms.total)
+        out[f"{TAG}-dense"], out[f"{TAG}-expert"] = float(norms.dense), float(norms.expert)
+    for kind, named in (("param", norms.per_param), ("layer", norms.per_layer),
+                        ("expert", norms.per_expert)):
+        if named is not None:
+            out.update(zip((f"{TAG}/{kind}/{name}" for name in named), _values(named)))
+    return out
 
 
-def write_breakdown(norms: ParamNorms, iteration: int, tensorboard: Any, wandb: Any) -> None:
-    """``params-norm-dense`` and ``params-norm-expert`` to the loop's TensorBoard / W&B writers
-    (either may be None), next to the ``params-norm`` the loop writes itself."""
-    for tag, value in (("params-norm-dense", norms.dense), ("params-norm-expert", norms.expert)):
+def _values(named: Mapping[str, Any]) -> list[float]:
+    if isinstance(named, NamedNorms):
+        return named.vector.tolist()
+    return [float(v) for v in named.values()]
+
+
+class ParamsNormLog:
+    """What a loop integration logs of the params norm, beyond the total: one per integration.
+
+    Args:
+        breakdown: the dense / expert norms in the log line and as scalars.
+        per_param: per-param, per-layer and per-expert scalars, and the ``top_k`` params whose
+            norm grew fastest since the previous read (the previous logged iteration) in the
+            log line.
+    """
+
+    def __init__(self, breakdown: bool, per_param: bool, top_k: int = 3) -> None:
+        self.breakdown, self.per_param, self.top_k = breakdown, per_param, top_k
+        self._previous: Optional[ParamNorms] = None
+
+    @property
+    def writes_scalars(self) -> bool:
+        return self.breakdown or self.per_param
+
+    def read(self, optimizer: Any) -> ParamNorms:
+        """The norms, from every rank alike (one all-reduce)."""
+        norms: ParamNorms = optimizer.param_l2_norms(per_param=self.per_param)
+        return norms
+
+    def value(self, norms: Optional[ParamNorms]) -> Optional[float]:
+        """What a loop's ``training_log`` gets as ``params_norm``: None where it does not read
+        it, else the total (a :class:`LoggedParamsNorm` with ``breakdown`` or ``per_param``)."""
+        if norms is None:
+            return None
+        if not self.writes_scalars:
+            return float(norms.total)
+        growing: list[tuple[str, float]] = []
+        if self.per_param:
+            if self._previous is not None:
+                growing = norms.fastest_growing(self._previous, self.top_k)
+            self._previous = norms
+        dense, expert = ((float(norms.dense), float(norms.expert)) if self.breakdown
+                         else (None, None))
+        return LoggedParamsNorm(float(norms.total), dense, expert, growing)
+
+    def write(self, norms: ParamNorms, iteration: int, tensorboard: Any, wandb: Any) -> None:
+        """:func:`scalars` to the loop's TensorBoard / W&B writers (either may be None)."""
+        values = scalars(norms, self.breakdown)
         if tensorboard is not None:
-            tensorboard.add_scalar(tag, float(value), iteration)
+            for tag, value in values.items():
+                tensorboard.add_scalar(tag, value, iteration)
         if wandb is not None:
-            wandb.log({tag: float(value)}, iteration)
+            wandb.log(values, iteration)
 
 
 def is_loop_model(model: Any, chunks: Optional[list[Any]]) -> bool:

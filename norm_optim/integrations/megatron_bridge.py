@@ -54,16 +54,17 @@ from ..norm import ParamNorms
 from ..versions import distribution_version
 from .common import (
     DeferredParamsNorm,
+    LoggedParamsNorm,
+    ParamsNormLog,
     ParamsNormWithBreakdown,
     is_loop_model,
-    logged_value,
-    write_breakdown,
 )
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
     "MegatronBridgeIntegration",
     "MegatronBridgeVersionError",
+    "LoggedParamsNorm",
     "NormAwareOptimizerConfig",
     "ParamsNormWithBreakdown",
     "install",
@@ -243,11 +244,11 @@ class MegatronBridgeIntegration:
         model: the model chunks it was built with.
     """
 
-    def __init__(self, setup: ModuleType, train: ModuleType, breakdown: bool,
+    def __init__(self, setup: ModuleType, train: ModuleType, log: ParamsNormLog,
                  wrapper_options: dict[str, Any]) -> None:
         self.optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
-        self._breakdown = breakdown
+        self._log = log
         self._wrapper_options = wrapper_options
         self._log_signature = inspect.signature(train.training_log)
         self._originals: list[tuple[ModuleType, str, Callable[..., Any]]] = [
@@ -317,23 +318,23 @@ class MegatronBridgeIntegration:
             assert self.optimizer is not None  # the marker is only returned with an optimizer
             config, state = bound.arguments["config"], bound.arguments["global_state"]
             if log_reads_params_norm(config.logger, state.train_state.step):
-                norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
-            bound.arguments["params_norm"] = logged_value(norms, self._breakdown)
+                norms = self._log.read(self.optimizer)  # every rank: one all-reduce
+            bound.arguments["params_norm"] = self._log.value(norms)
         result = self._original("training_log")(*bound.args, **bound.kwargs)
-        if norms is not None and self._breakdown:
-            self._write_breakdown(bound.arguments["config"], bound.arguments["global_state"],
-                                  norms)
+        if norms is not None and self._log.writes_scalars:
+            self._write_scalars(bound.arguments["config"], bound.arguments["global_state"],
+                                norms)
         return result
 
-    @staticmethod
-    def _write_breakdown(config: Any, state: Any, norms: ParamNorms) -> None:
+    def _write_scalars(self, config: Any, state: Any, norms: ParamNorms) -> None:
         """Where and when ``training_log`` writes Bridge's ``params-norm``."""
         iteration = state.train_state.step
         if iteration % config.logger.tensorboard_log_interval == 0:
-            write_breakdown(norms, iteration, state.tensorboard_logger, state.wandb_logger)
+            self._log.write(norms, iteration, state.tensorboard_logger, state.wandb_logger)
 
 
-def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronBridgeIntegration:
+def install(*, breakdown: bool = False, per_param: bool = False,
+            **wrapper_options: Any) -> MegatronBridgeIntegration:
     """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
 
     Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
@@ -345,6 +346,11 @@ def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronBridg
         breakdown: also log the dense and expert norms: the log line reads
             ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
             / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
+        per_param: also write ``params-norm/param/<name>`` for every param (layout-independent
+            name), ``params-norm/layer/<global layer>`` and ``params-norm/expert/<layer>.<expert>``
+            (same single all-reduce; the names are exchanged once, at the first logged
+            iteration), and end the log line with the params whose norm grew fastest since the
+            previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
 
@@ -365,6 +371,7 @@ def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronBridg
             "on the handle install() returned before installing again"
         )
     _check_hooks(setup, train)
-    integration = MegatronBridgeIntegration(setup, train, breakdown, wrapper_options)
+    integration = MegatronBridgeIntegration(setup, train, ParamsNormLog(breakdown, per_param),
+                                            wrapper_options)
     integration._apply()
     return integration

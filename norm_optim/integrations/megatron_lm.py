@@ -37,16 +37,17 @@ from ..norm import ParamNorms
 from ..versions import megatron_core_version_string
 from .common import (
     DeferredParamsNorm,
+    LoggedParamsNorm,
+    ParamsNormLog,
     ParamsNormWithBreakdown,
     is_loop_model,
-    logged_value,
-    write_breakdown,
 )
 from ..wrapper import NormAwareOptimizer
 
 __all__ = [
     "MegatronLMIntegration",
     "MegatronLMVersionError",
+    "LoggedParamsNorm",
     "ParamsNormWithBreakdown",
     "install",
     "log_reads_params_norm",
@@ -138,11 +139,11 @@ class MegatronLMIntegration:
         model: the model chunks it was built with.
     """
 
-    def __init__(self, training: ModuleType, breakdown: bool, wrapper_options: dict) -> None:
+    def __init__(self, training: ModuleType, log: ParamsNormLog, wrapper_options: dict) -> None:
         self.optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
         self._training = training
-        self._breakdown = breakdown
+        self._log = log
         self._wrapper_options = wrapper_options
         self._originals: dict[str, Callable[..., Any]] = {
             name: getattr(training, name) for name in _PATCHED
@@ -208,24 +209,25 @@ class MegatronLMIntegration:
             iteration = bound.arguments["iteration"]
             first = bool(bound.arguments.get("is_first_iteration", False))
             if log_reads_params_norm(_global_vars().get_args(), iteration, first):
-                norms = self.optimizer.param_l2_norms()  # every rank: one all-reduce
-            bound.arguments["params_norm"] = logged_value(norms, self._breakdown)
+                norms = self._log.read(self.optimizer)  # every rank: one all-reduce
+            bound.arguments["params_norm"] = self._log.value(norms)
         result = self._originals["training_log"](*bound.args, **bound.kwargs)
-        if norms is not None and self._breakdown:
-            self._write_breakdown(bound.arguments["iteration"], norms)
+        if norms is not None and self._log.writes_scalars:
+            self._write_scalars(bound.arguments["iteration"], norms)
         return result
 
-    def _write_breakdown(self, iteration: int, norms: ParamNorms) -> None:
+    def _write_scalars(self, iteration: int, norms: ParamNorms) -> None:
         """Where and when ``training_log`` writes Megatron's ``params-norm`` (the last rank
         has the writers)."""
         global_vars = _global_vars()
         writer = global_vars.get_tensorboard_writer()
         if writer is None or iteration % global_vars.get_args().tensorboard_log_interval != 0:
             return
-        write_breakdown(norms, iteration, writer, global_vars.get_wandb_writer())
+        self._log.write(norms, iteration, writer, global_vars.get_wandb_writer())
 
 
-def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronLMIntegration:
+def install(*, breakdown: bool = False, per_param: bool = False,
+            **wrapper_options: Any) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
 
     Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
@@ -237,6 +239,11 @@ def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronLMInt
         breakdown: also log the dense and expert norms: the log line reads
             ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
             / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
+        per_param: also write ``params-norm/param/<name>`` for every param (layout-independent
+            name), ``params-norm/layer/<global layer>`` and ``params-norm/expert/<layer>.<expert>``
+            (same single all-reduce; the names are exchanged once, at the first logged
+            iteration), and end the log line with the params whose norm grew fastest since the
+            previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``pg_collection``, ``group``, ``comm``).
 
@@ -255,6 +262,7 @@ def install(*, breakdown: bool = False, **wrapper_options: Any) -> MegatronLMInt
             "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
             "handle install() returned before installing again"
         )
-    integration = MegatronLMIntegration(training, breakdown, wrapper_options)
+    integration = MegatronLMIntegration(training, ParamsNormLog(breakdown, per_param),
+                                        wrapper_options)
     integration._apply()
     return integration

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+import pickle
+from typing import Any, Callable, Optional
 
 import torch
 
 from norm_optim.comm import Done, ProcessGroup, Work
+
+# What a simulated peer contributes: peers(kind, group rank, i) for the i-th collective of that
+# kind: "all_gather" (its tensor) or "broadcast" (its object: it is the root).
+Peers = Callable[[str, int, int], Any]
+
+# torch's *_object collectives send each object's pickled size first, as one int64.
+_SIZE_BYTES = 8
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes this rank put into, and got out of, its collectives (logical payloads: what
+    ``torch.distributed`` is handed, not what a ring or tree forwards on the way)."""
+
+    sent: int = 0
+    received: int = 0
 
 
 class RecordingCommunicator:
@@ -15,11 +33,22 @@ class RecordingCommunicator:
     It does not talk to any other process: ``all_reduce_sum`` leaves the tensor as it is (the
     sum over a group of one), so a test can run one rank's code under a mocked parallel state
     and see which collectives it makes.
+
+    With ``peers`` it plays rank ``rank`` of a simulated world of ``size`` ranks: gathers and
+    broadcasts return what ``peers`` says the other ranks contribute, and :attr:`traffic`
+    counts the bytes as ``torch.distributed`` would move them (a gather: this rank's tensor out,
+    the ``size`` stacked tensors in; an object broadcast: an int64 size and the pickled bytes,
+    out at the root and in elsewhere). That is how the benchmark sizes the per-param names
+    exchange at 16,384 ranks on one process.
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu") -> None:
+    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu",
+                 peers: Optional[Peers] = None) -> None:
         self._rank, self._size, self._device = rank, size, torch.device(device)
+        self._peers = peers
         self.calls: list[tuple[str, ProcessGroup, Optional[torch.Size]]] = []
+        self._counts: dict[str, int] = {}
+        self.traffic = Traffic()
 
     def is_distributed(self) -> bool:
         return self._size > 1
@@ -46,6 +75,34 @@ class RecordingCommunicator:
     def all_gather_object(self, obj: Any, group: ProcessGroup) -> list[Any]:
         self.calls.append(("all_gather_object", group, None))
         return [obj]
+
+    def all_gather_tensor(self, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        self.calls.append(("all_gather", group, tensor.shape))
+        index = self._count("all_gather")
+        parts = [tensor if r == self._rank or self._peers is None
+                 else torch.as_tensor(self._peers("all_gather", r, index)).to(tensor)
+                 for r in range(self._size)]
+        self.traffic.sent += tensor.nbytes
+        self.traffic.received += tensor.nbytes * self._size
+        return torch.stack(parts)
+
+    def broadcast_object(self, obj: Any, src: int, group: ProcessGroup) -> Any:
+        self.calls.append(("broadcast_object", group, None))
+        index = self._count("broadcast")
+        if src != self._rank:
+            if self._peers is None:
+                raise ValueError("a broadcast from another rank needs peers=...")
+            obj = self._peers("broadcast", src, index)
+        nbytes = _SIZE_BYTES + len(pickle.dumps(obj))
+        if src == self._rank:
+            self.traffic.sent += nbytes
+        else:
+            self.traffic.received += nbytes
+        return obj
+
+    def _count(self, kind: str) -> int:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        return self._counts[kind] - 1
 
     @property
     def num_all_reduces(self) -> int:
