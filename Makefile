@@ -4,6 +4,7 @@
 # Both run on megatron-core 0.16.1 (Python 3.11, the newest release it supports). The same on the
 # newest megatron-core (Python >= 3.12): make train-latest / make test-latest; Megatron-Bridge's
 # pretrain() tests, in an environment of their own: make test-bridge.
+# make lint checks the code with ruff (rules and layout: pyproject.toml [tool.ruff]).
 PYTHON ?= python3
 VENV   ?= .venv
 MCORE  ?= megatron-core==0.16.1
@@ -29,7 +30,7 @@ LATEST := PYTHON="$(PYTHON_LATEST)" VENV=.venv-latest MCORE="$(MCORE_LATEST)"
 BRIDGE_VENV  ?= .venv-bridge
 BRIDGE_STAMP := $(BRIDGE_VENV)/.norm_optim-installed
 
-.PHONY: train test bench setup train-latest test-latest bench-latest test-bridge
+.PHONY: train test lint bench setup train-latest test-latest bench-latest test-bridge
 
 setup: $(STAMP)
 
@@ -45,6 +46,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# ruff check: the lint rules; ruff format --check: the layout ruff format would give.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.param_norm --quick $(ARGS)
