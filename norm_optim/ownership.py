@@ -1,34 +1,13 @@
 """Who counts which element: the one rule that makes every layout exact.
 
 The global norm is a sum of squares over every element of the model, each counted exactly once
-across all ranks. A rank counts a tensor it holds when it is the *canonical holder*:
+across all ranks. A rank counts a tensor it holds when it is the *canonical holder*: not a
+(expert-)TP or GTP duplicate, not a tied copy, and the one replica (or shard group) among those
+that hold the same elements that counts them (:func:`why_not_counted`).
 
-=========================  ==========================================  =======================
-replicated over            canonical holder                            decided by
-=========================  ==========================================  =======================
-tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    params without
-                           for params that TP does not split            ``tensor_model_parallel``
-tied weights               the copy without ``shared=True`` (an output  ``shared`` attribute,
-                           weight that tying leaves unused: none)       model structure
-data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holding.replicated``
-                           for whole (non-sharded) main params
-distributed optimizer      the rank whose shard it is (shards            ``Holding.replicated``
-                           partition the param within one instance)      is False
-several dist-opt instances the shard group that holds the              ``Holding.
-(or experts at EP=1,       replicating group's first rank                shard_group``
-sharded over dense DP)
-layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
-                                                                          is False
-GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sharded``: params
-(megatron-core >= 0.19)    for params GTP does not shard; a sharded     GTP shards on dim 0;
-                           param's zero pad rows count as nothing       pads trimmed (registry)
-Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
-                           (over DP×CP; expert-DP for experts)          is False
-pipeline / expert parallel nothing to do: each stage / expert rank
-                           holds different params
-=========================  ==========================================  =======================
-
-A new layout is a new row here, not a new code path elsewhere.
+Which holder that is on each layout, and which fact of the adapter decides it, is the counting
+table in ``docs/counting.md``: the specification of this module. A new layout is a new row there
+and a new case here, not a new code path elsewhere.
 """
 
 from __future__ import annotations
