@@ -1,7 +1,7 @@
 """The two vocabularies of a :class:`~norm_optim.registry.ParamRecord`, one definition each.
 
-Both are ``str`` enums: they compare equal to, and print as, the words the summary and the
-README use (``main-shard``, ``tp-duplicate``...).
+Both are ``str`` enums: they compare equal to, and print as, the words the summary and
+``docs/counting.md`` use (``main-shard``, ``tp-duplicate``...).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a run reports: the markdown table, the targets of issue #4, and the JSON document with
+"""What a run reports: the markdown table, the targets, and the JSON document with
 the environment and a fingerprint of the library sources the rows belong to.
 """
 
@@ -66,7 +66,7 @@ def _verdict(bad: Sequence[Row], show: Callable[[Row], str]) -> str:
 
 
 def check_targets(rows: Sequence[Row]) -> list[str]:
-    """One line per target of issue #4 for ``norm_optim``: met, or missed and where."""
+    """One line per target (``benchmarks/README.md``) of ``norm_optim``: met, or missed where."""
     ours = [r for r in rows if r["method"] == "norm_optim"]
     cases = by_case(rows)
 
