@@ -5,6 +5,7 @@
 # newest megatron-core (Python >= 3.12): make train-latest / make test-latest; Megatron-Bridge's
 # pretrain() tests, in an environment of their own: make test-bridge. The other release lines:
 # make test-0.14, test-0.15, test-0.17, test-0.18; megatron-core main: make test-main.
+# make lint checks the code with ruff (rules and layout: pyproject.toml [tool.ruff]).
 PYTHON ?= python3
 VENV   ?= .venv
 MCORE  ?= megatron-core==0.16.1
@@ -68,7 +69,7 @@ define copy-env
 	rm -f $(2)/.norm_optim-installed
 endef
 
-.PHONY: train test bench setup train-latest test-latest bench-latest test-bridge
+.PHONY: train test lint bench setup train-latest test-latest bench-latest test-bridge
 .PHONY: $(LINES:%=test-%) test-main mcore-main
 
 setup: $(STAMP)
@@ -85,6 +86,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# ruff check: the lint rules; ruff format --check: the layout ruff format would give.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.param_norm --quick $(ARGS)

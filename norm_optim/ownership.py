@@ -1,9 +1,10 @@
 """Who counts which element: the one rule that makes every layout exact.
 
 The global norm is a sum of squares over every element of the model, each counted exactly once
-across all ranks. A rank counts a tensor it holds when it is the *canonical holder*:
+across all ranks. A rank counts a tensor it holds when it is the *canonical holder*: not a
+(expert-)TP or GTP duplicate, not a tied copy, and the one replica (or shard group) among those
+that hold the same elements that counts them (:func:`why_not_counted`).
 
-=========================  ==========================================  =======================
 replicated over            canonical holder                            decided by
 =========================  ==========================================  =======================
 tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    ``tp_split``: the
@@ -38,6 +39,10 @@ pipeline / expert parallel nothing to do: each stage / expert rank
 =========================  ==========================================  =======================
 
 A new layout is a new row here, not a new code path elsewhere.
+=======
+Which holder that is on each layout, and which fact of the adapter decides it, is the counting
+table in ``docs/counting.md``: the specification of this module. A new layout is a new row there
+and a new case here, not a new code path elsewhere.
 """
 
 from __future__ import annotations

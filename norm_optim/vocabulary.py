@@ -1,7 +1,7 @@
 """The vocabularies of a :class:`~norm_optim.registry.ParamRecord`, one definition each.
 
-All are ``str`` enums: they compare equal to, and print as, the words the summary and the
-README use (``main-shard``, ``tp-duplicate``, ``declaration``...).
+All are ``str`` enums: they compare equal to, and print as, the words the summary and
+``docs/counting.md`` use (``main-shard``, ``tp-duplicate``, ``declaration``...).
 """
 
 from __future__ import annotations

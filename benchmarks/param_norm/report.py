@@ -1,4 +1,4 @@
-"""What a run reports: the markdown table, the targets of issue #4, and the JSON document with
+"""What a run reports: the markdown table, the targets, and the JSON document with
 the environment and a fingerprint of the library sources the rows belong to.
 """
 
@@ -23,7 +23,7 @@ Row = Mapping[str, Any]
 TARGET_PEAK_BYTES = 1 << 20
 TARGET_REL_ERROR = 1e-6
 TARGET_X_FLOOR = 1.1
-TARGET_PER_PARAM_X_TOTAL = 1.3  # issue #21, MoE cases
+TARGET_PER_PARAM_X_TOTAL = 1.3  # MoE cases (benchmarks/README.md)
 # A GPU has far more bandwidth to spare for a walk's many small kernels than a CPU core.
 TARGET_WALK_SPEEDUP: Mapping[str, float] = types.MappingProxyType({"cpu": 2.0, "cuda": 10.0})
 MANY_TENSORS = 5000
@@ -83,8 +83,8 @@ def _verdict(bad: Sequence[Row], show: Callable[[Row], str]) -> str:
 
 
 def check_targets(rows: Sequence[Row]) -> list[str]:
-    """One line per target of issue #4 for ``norm_optim`` (and of issue #21 for
-    ``norm_optim_per_param``): met, or missed and where."""
+    """One line per target (``benchmarks/README.md``) of ``norm_optim`` and of
+    ``norm_optim_per_param``: met, or missed and where."""
     ours = [r for r in rows if r["method"] == "norm_optim"]
     per_param = [r for r in rows if r["method"] == "norm_optim_per_param"]
     moe_per_param = [r for r in per_param if r["kind"] == "moe"]

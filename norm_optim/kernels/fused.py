@@ -3,8 +3,8 @@
 CUDA reductions are tree-shaped and accurate on whole tensors, so no row splitting is needed:
 apex's ``multi_tensor_l2norm`` when apex imports, else Transformer Engine's, else
 ``torch._foreach_norm``. CPU float64 tensors come here too (they accumulate in float64 already).
-The CUDA paths have not been run on a GPU by this project's CI (no GPU there); the CPU float64
-path and the torch fallback are tested.
+The CUDA paths have not yet been run on a GPU; the CPU float64 path and the torch fallback are
+tested.
 """
 
 from __future__ import annotations

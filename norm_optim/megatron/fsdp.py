@@ -10,8 +10,8 @@ original param. Frozen params have no main weights: their bucket's bf16 ``model_
 holds this rank's shard of them.
 
 So every element is in exactly one rank's shard within its buffer group, and the shards need no
-owner rule of their own: a shard is a :class:`~norm_optim.sources.Holding` that is not
-replicated, whose ``shard_group`` is the buffer's group, and the usual rule of
+owner rule of their own: a shard is a :class:`~norm_optim.megatron.optimizers.Holding` that is
+not replicated, whose ``shard_group`` is the buffer's group, and the usual rule of
 :mod:`norm_optim.ownership` adds what FSDP does not shard (TP duplicates: TP rank 0, expert-TP
 rank 0 for experts; EP ranks hold different experts, and the expert mesh has no EP dim).
 Hybrid FSDP (``num_distributed_optimizer_instances > 1``) of dense models follows from the same
