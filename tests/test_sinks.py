@@ -21,7 +21,6 @@ import types
 from typing import Any
 
 import pytest
-import torch
 
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer

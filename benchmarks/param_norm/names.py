@@ -161,10 +161,10 @@ def format_rows(table: Sequence[dict[str, Any]]) -> str:
     lines = ["| model | world | names / rank | (stage, expert rank) pairs | exchange: sent / received "
              "per rank | all_gather_object: sent / received per rank |",
              "|---|---:|---:|---:|---:|---:|"]
-    for r in table:
-        lines.append(
-            f"| {r['model']} | {r['world']:,} | {r['names_per_rank']:,} | {r['distinct_holdings']} "
-            f"| {format_bytes(r['sent'])} / {format_bytes(r['received'])} "
-            f"| {format_bytes(r['all_gather_object_sent'])} / "
-            f"{format_bytes(r['all_gather_object_received'])} |")
+    lines.extend(
+        f"| {r['model']} | {r['world']:,} | {r['names_per_rank']:,} | {r['distinct_holdings']} "
+        f"| {format_bytes(r['sent'])} / {format_bytes(r['received'])} "
+        f"| {format_bytes(r['all_gather_object_sent'])} / "
+        f"{format_bytes(r['all_gather_object_received'])} |"
+        for r in table)
     return "\n".join(lines)
