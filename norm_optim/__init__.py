@@ -7,13 +7,14 @@ Wrap the optimizer once; ask for the norm at log intervals::
     norm = optimizer.param_l2_norm()   # float(norm) is the global L2 norm of the weights
 """
 
-from .comm import Communicator, TorchCommunicator
-from .errors import NormOptimError, ParallelStateError, UnknownParamError, UnsupportedOptimizerError
-from .norm import NamedNorms, ParamNorms, PendingNorms
-from .ownership import RankCoords
-from .registry import ParamRecord, ParamRegistry
-from .vocabulary import NotCounted, Source
-from .wrapper import NormAwareOptimizer
+from ._comm import Communicator, TorchCommunicator
+from ._errors import NormOptimError, ParallelStateError, UnknownParamError, UnsupportedOptimizerError
+from ._norm import NamedNorms, ParamNorms, PendingNorms
+from ._ownership import RankCoords
+from ._registry import ParamRecord, ParamRegistry
+from ._versions import UntestedMegatronWarning
+from ._vocabulary import NotCounted, Source
+from ._wrapper import NormAwareOptimizer
 
 __all__ = [
     "Communicator",
@@ -31,6 +32,7 @@ __all__ = [
     "TorchCommunicator",
     "UnknownParamError",
     "UnsupportedOptimizerError",
+    "UntestedMegatronWarning",
 ]
 
 __version__ = "0.2.0"

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from .naming import natural_key
+from ._megatron.naming import natural_key
 
 LAYER_TAG = "params-norm/layer/"
 PARAM_TAG = "params-norm/param/"

@@ -15,7 +15,7 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RecordingCommunicator
-from mocked_state import TinyMoE, float16_optimizer, oracle, single_process
+from tests.support.mocked_state import TinyMoE, float16_optimizer, oracle, single_process
 
 pytestmark = single_process
 

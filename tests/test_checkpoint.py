@@ -17,7 +17,7 @@ rank. Values are exact in bf16, so the fp32 mains equal the bf16 values after fi
 What does not run on CPU with megatron-core 0.16.1, and why (``test_unsupported_*`` pins it):
 
 - ``torch_dist`` save in a ``run_ranks`` rank needs two test-only changes
-  (``norm_optim.testing.loop_patches.torch_dist_save_patches``):
+  (``norm_optim.testing._internal.loop_patches.torch_dist_save_patches``):
   1. The rank must not be daemonic: ``FileSystemWriterAsync`` starts a ``spawn`` Manager for its
      results queue and forks one writer process per file, and a daemonic process
      (``run_ranks`` starts ranks with ``daemon=True``) raises ``AssertionError: daemonic
@@ -50,11 +50,11 @@ import pytest
 
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step, unwrap_gpt
-from norm_optim.testing.loop_patches import torch_dist_save_patches
+from norm_optim.testing._internal.loop_patches import torch_dist_save_patches
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from norm_optim.versions import megatron_at_least
-from norm_optim.testing.patching import PatchSet
-from layouts import SMALL, SMALL_MOE, Layout
+from norm_optim._versions import megatron_at_least
+from norm_optim.testing._internal.patching import PatchSet
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 1, 2
 REL = 1e-7  # the CPU kernel's fp32 row accumulation (~2e-8)

@@ -30,9 +30,9 @@ import torch
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import global_param_shapes, named_global_parameters
-from layouts import DENSE, GTP_DENSE, HYBRID, MTP, SINKS, SINKS_MOE, SMALL, SMALL_MOE, Layout
-from norm_optim.versions import megatron_at_least
-from mocked_state import TinyMoE, float16_optimizer, single_process
+from tests.support.layouts import DENSE, GTP_DENSE, HYBRID, MTP, SINKS, SINKS_MOE, SMALL, SMALL_MOE, Layout
+from norm_optim._versions import megatron_at_least
+from tests.support.mocked_state import TinyMoE, float16_optimizer, single_process
 
 SINK = {"decoder.layers.*.self_attention.core_attention.softmax_offset"}
 MTP_SINK = {"mtp.layers.*.*.self_attention.core_attention.softmax_offset"}
@@ -143,7 +143,7 @@ def _rank_body(layout: Layout, megatron_fsdp: bool) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim.megatron.declarations import read_declarations
+    from norm_optim._megatron.declarations import read_declarations
     from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
     init_parallel(**layout.parallel())
@@ -211,21 +211,21 @@ def _param(**markers: Any) -> torch.nn.Parameter:
 
 
 def _declared(split: bool) -> Any:
-    from norm_optim.megatron import Declaration
+    from norm_optim._megatron import Declaration
 
     return Declaration("layer.weight", (8,), (2,) if split else (1,), (0,), (0, 0, 0))
 
 
 def _traits(param: torch.nn.Parameter, tp_size: int = 2, **declarations: Any) -> Any:
-    from norm_optim.comm import TorchCommunicator
-    from norm_optim.megatron import ModelStructure, param_traits
+    from norm_optim._comm import TorchCommunicator
+    from norm_optim._megatron import ModelStructure, param_traits
 
     structure = ModelStructure(declarations=_declarations(**declarations), tp_size=tp_size)
     return param_traits(param, structure, TorchCommunicator())
 
 
 def _declarations(**fields: Any) -> Any:
-    from norm_optim.megatron import Declarations
+    from norm_optim._megatron import Declarations
 
     return Declarations(**fields)
 

@@ -24,10 +24,10 @@ from norm_optim import (
 )
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer
-from norm_optim.versions import megatron_at_least
-from layouts import DENSE, SMALL
-from mocked_state import TinyMoE, float16_optimizer, mocked_ranks, single_process
-from precision_aware_standin import build_precision_aware_optimizer
+from norm_optim._versions import megatron_at_least
+from tests.support.layouts import DENSE, SMALL
+from tests.support.mocked_state import TinyMoE, float16_optimizer, mocked_ranks, single_process
+from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
 # ------------------------------------------------------------------ optimizers
 

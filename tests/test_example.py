@@ -23,7 +23,7 @@ import pytest
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model
 from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
-from norm_optim.versions import megatron_at_least
+from norm_optim._versions import megatron_at_least
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 SEED = 7

@@ -19,7 +19,7 @@ from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RankFailedError, RecordingCommunicator, init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from layouts import DENSE, MOE, SMALL, filled_oracle
+from tests.support.layouts import DENSE, MOE, SMALL, filled_oracle
 
 SEED = 5
 REL = 1e-7  # the CPU kernel accumulates rows of 256 in fp32 (~2e-8)

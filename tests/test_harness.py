@@ -29,7 +29,7 @@ from norm_optim.testing.oracle import (
     named_global_parameters,
     oracle_sum_of_squares,
 )
-from layouts import Layout
+from tests.support.layouts import Layout
 
 # The builders' defaults, as a user of norm_optim.testing gets them.
 DEFAULT = TinyGPTConfig()

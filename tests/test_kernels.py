@@ -1,4 +1,4 @@
-"""Tests of norm_optim.kernels: accuracy per slot, dtypes, edge cases, storage and memory bounds."""
+"""Tests of norm_optim._kernels: accuracy per slot, dtypes, edge cases, storage and memory bounds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from norm_optim.kernels import SumOfSquaresPlan
-from norm_optim.kernels.rows import ROW
+from norm_optim._kernels import SumOfSquaresPlan
+from norm_optim._kernels.rows import ROW
 
 
 def _reference(tensors, slots, num_slots):

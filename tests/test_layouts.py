@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
-from norm_optim.versions import megatron_at_least
+from norm_optim._versions import megatron_at_least
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
-from layouts import DENSE, GTP_DENSE, GTP_MOE, HYBRID, MOE, MTP, Layout
+from tests.support.layouts import DENSE, GTP_DENSE, GTP_MOE, HYBRID, MOE, MTP, Layout
 
 SEED = 7
 # Not representable in bf16: a norm taken from the bf16 params would be off by ~1e-3.
@@ -132,7 +132,7 @@ def _scale_main_params(optimizer: Any, factor: float) -> None:
 
 def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer
-    from norm_optim.comm import TorchCommunicator
+    from norm_optim._comm import TorchCommunicator
 
     init_parallel(**layout.parallel())
     chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, freeze=layout.freeze,

@@ -111,7 +111,7 @@ _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d
 def _oracle_tags(shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
     """The oracle's value of every scalar ``install(per_param=True)`` writes, by tag: each
     param, and each layer's and expert's params summed (grouped here from GPTModel's names,
-    apart from norm_optim.naming)."""
+    apart from norm_optim._megatron.naming)."""
     groups: dict[str, list[float]] = {}
     for name, value in oracle_sum_of_squares(shapes, SEED).items():
         groups[f"params-norm/param/{name}"] = [value]
@@ -410,7 +410,7 @@ def test_megatron_fsdp_patches_are_reversible() -> None:
     from megatron.core.distributed import FullyShardedDataParallel
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
 
-    from norm_optim.testing.megatron_bridge import install_bridge_megatron_fsdp_cpu_patches
+    from norm_optim.testing._internal.bridge_patches import install_bridge_megatron_fsdp_cpu_patches
 
     originals = (FullyShardedDataParallel.__init__, adapter.DeviceMesh)
     with install_bridge_megatron_fsdp_cpu_patches():

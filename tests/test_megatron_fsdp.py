@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim.errors import UnsupportedOptimizerError
+from norm_optim._errors import UnsupportedOptimizerError
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.megatron_fsdp import build_fsdp_model, fill_fsdp_deterministic_
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
-from layouts import SMALL, SMALL_MOE, Layout
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 7, 8
 MAIN_SCALE = 1.0 + 2.0**-10
@@ -156,7 +156,7 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim.comm import TorchCommunicator
+    from norm_optim._comm import TorchCommunicator
 
     class Counting(TorchCommunicator):
         all_reduces = 0
@@ -299,7 +299,7 @@ def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
 
 
 def _needs_megatron_training() -> None:
-    from norm_optim.versions import megatron_core_version_string
+    from norm_optim._versions import megatron_core_version_string
 
     pytest.importorskip("megatron.training", reason=f"{megatron_core_version_string()} ships no "
                         "megatron.training (Megatron-LM's calc_params_l2_norm; since 0.17)")
@@ -446,7 +446,7 @@ def _patches_body() -> list[bool]:
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 
-    from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
+    from norm_optim.testing._internal.megatron_fsdp_patches import install_megatron_fsdp_cpu_patches
 
     originals = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh,
                  torch.cuda.get_rng_state, getattr(adapter, "TELinear", None))

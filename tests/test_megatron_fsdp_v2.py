@@ -30,15 +30,15 @@ import pytest
 import torch
 
 from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing.megatron_fsdp import has_megatron_fsdp_v2
 from norm_optim.testing.megatron_fsdp import (
     build_fsdp_model,
     fill_fsdp_v2_deterministic_,
     fsdp_v2_parameter_groups,
-    has_megatron_fsdp_v2,
 )
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
-from layouts import SMALL, SMALL_MOE, Layout
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 pytestmark = pytest.mark.skipif(
     not has_megatron_fsdp_v2(),
@@ -121,7 +121,7 @@ def _megatron_norm(chunks: list) -> float:
 
 def _rank_body(layout: Layout) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer
-    from norm_optim.comm import TorchCommunicator
+    from norm_optim._comm import TorchCommunicator
 
     class Counting(TorchCommunicator):
         all_reduces = 0
@@ -250,7 +250,7 @@ def test_megatron_calc_params_l2_norm_is_exact_on_dense(name: str) -> None:
 
 def _bf16_main_body() -> str:
     from norm_optim import NormAwareOptimizer
-    from norm_optim.errors import UnsupportedOptimizerError
+    from norm_optim._errors import UnsupportedOptimizerError
 
     init_parallel()
     chunks = build_fsdp_model(SMALL, version=2, megatron_fsdp_main_params_dtype=torch.bfloat16)
@@ -273,7 +273,7 @@ def _patches_body() -> list[bool]:
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp.experimental import dbuffer, module
 
-    from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
+    from norm_optim.testing._internal.megatron_fsdp_patches import install_megatron_fsdp_cpu_patches
 
     def v2() -> tuple:
         return (adapter.fully_shard_context, module.FsdpContext.current_stream,

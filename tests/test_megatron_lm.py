@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from norm_optim.comm import TorchCommunicator
+from norm_optim._comm import TorchCommunicator
 from norm_optim.testing import run_ranks
 
 
 def _skip_reason() -> str | None:
-    from norm_optim.versions import megatron_core_version_string
+    from norm_optim._versions import megatron_core_version_string
 
     version = megatron_core_version_string()
     try:
@@ -103,7 +103,7 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         oracle_norm,
         oracle_sum_of_squares,
     )
-    from norm_optim.testing.patching import Patch, patches_applied
+    from norm_optim.testing._internal.patching import Patch, patches_applied
 
     seen: dict[str, Any] = {"logged": [], "all_reduces": [], "others": [], "reference": [],
                             "values": []}
@@ -185,7 +185,7 @@ TENSORBOARD = ("--tensorboard-dir", "unused-by-the-recording-writer",
 def _oracle_rollups(sums: dict[str, float]) -> dict[str, float]:
     """The oracle's norm of every scalar ``install(per_param=True)`` writes, by tag: each param,
     and each layer's and expert's params summed (grouped here from GPTModel's names, apart from
-    norm_optim.naming)."""
+    norm_optim._megatron.naming)."""
     groups: dict[str, list[float]] = {}
     for name, value in sums.items():
         groups[f"params-norm/param/{name}"] = [value]

@@ -124,7 +124,7 @@ def _rank_body(layout: MimoLayout, global_state: bool) -> dict[str, Any]:
     from megatron.core.optimizer import get_megatron_optimizer
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim.comm import TorchCommunicator
+    from norm_optim._comm import TorchCommunicator
 
     class Counting(TorchCommunicator):
         all_reduces = 0
@@ -244,7 +244,7 @@ def _subgroup_body() -> str:
     from megatron.core.optimizer import get_megatron_optimizer
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim.errors import ParallelStateError
+    from norm_optim._errors import ParallelStateError
 
     layout = LAYOUTS["enc1-lm1"]
     model = build_mimo_model(layout)

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim.name_exchange import digests, exchange_names, name_parts, speakers
+from norm_optim._name_exchange import digests, exchange_names, name_parts, speakers
 from norm_optim.testing import RecordingCommunicator, init_parallel, run_ranks
 from norm_optim.testing.comm import Traffic
 from norm_optim.testing.models import build_model, build_optimizer
-from norm_optim.testing.patching import Patch, patches_applied
+from norm_optim.testing._internal.patching import Patch, patches_applied
 
 from benchmarks.param_norm.names import all_gather_object_traffic
-from layouts import MOE, SMALL, SMALL_MOE, Layout
+from tests.support.layouts import MOE, SMALL, SMALL_MOE, Layout
 
 LAYOUTS = {
     "dense-dp2": Layout(2, SMALL),
@@ -88,7 +88,7 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     import torch.distributed as dist
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim.norm import local_names
+    from norm_optim._norm import local_names
 
     init_parallel(**layout.parallel())
     chunks = build_model(layout.cfg, use_distributed_optimizer=True,

@@ -30,11 +30,11 @@ import torch
 
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
-from norm_optim.versions import megatron_at_least
+from norm_optim._versions import megatron_at_least
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from layouts import SMALL, SMALL_MOE, Layout
-from precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
 
 SEED = 11
 STEPS = 2

@@ -16,7 +16,7 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RecordingCommunicator
-from mocked_state import TinyMoE, float16_optimizer, mocked_ranks, oracle, single_process
+from tests.support.mocked_state import TinyMoE, float16_optimizer, mocked_ranks, oracle, single_process
 
 pytestmark = single_process
 
@@ -113,8 +113,8 @@ def test_dtensor_replica_axes_and_mesh_checks() -> None:
     """The DTensor row of the rule, on plain data: a ``Replicate`` mesh axis counts on its
     coordinate 0 only; a mesh that spans megatron TP peers, or leaves out ranks of megatron's DP
     group, is a conflict (the registry refuses it)."""
-    from norm_optim.ownership import RankCoords, mesh_conflict, why_not_counted
-    from norm_optim.vocabulary import NotCounted
+    from norm_optim._ownership import RankCoords, mesh_conflict, why_not_counted
+    from norm_optim._vocabulary import NotCounted
 
     def reason(replica_coords: tuple[int, ...]) -> object:
         return why_not_counted(expert=False, tp_split=True, replicated=False, coords=RankCoords(),

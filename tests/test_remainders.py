@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim.kernels import RemainderMaster, SumOfSquaresPlan
+from norm_optim._kernels import RemainderMaster, SumOfSquaresPlan
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, train_step
-from precision_aware_standin import build_precision_aware_optimizer, join_master, split_master
+from tests.support.precision_aware_standin import build_precision_aware_optimizer, join_master, split_master
 
 SEED = 3
 STEPS = 2

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from norm_optim.integrations.common import LoggedParamsNorm, ParamsNormWithBreakdown
-from norm_optim.naming import expert_of, layer_of, natural_key
+from norm_optim.integrations._common import LoggedParamsNorm, ParamsNormWithBreakdown
+from norm_optim._megatron.naming import expert_of, layer_of, natural_key
 
 
 @pytest.mark.parametrize("name, layer, expert", [

@@ -24,14 +24,14 @@ import pytest
 
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
-from norm_optim.versions import megatron_at_least
+from norm_optim._versions import megatron_at_least
 from norm_optim.testing.oracle import (
     fill_deterministic_,
     global_param_shapes,
     named_global_parameters,
     oracle_sum_of_squares,
 )
-from layouts import HYBRID, MTP, SINKS, SINKS_MOE, Layout
+from tests.support.layouts import HYBRID, MTP, SINKS, SINKS_MOE, Layout
 
 SEED = 11
 REL = 1e-6

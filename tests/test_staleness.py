@@ -21,10 +21,10 @@ import torch
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
-from norm_optim.versions import megatron_at_least
-from layouts import MOE, SMALL, filled_oracle
-from mocked_state import TinyMoE, float16_optimizer, oracle, single_process
-from precision_aware_standin import build_precision_aware_optimizer
+from norm_optim._versions import megatron_at_least
+from tests.support.layouts import MOE, SMALL, filled_oracle
+from tests.support.mocked_state import TinyMoE, float16_optimizer, oracle, single_process
+from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
 SEED = 5
 REL = 1e-7  # the CPU kernel accumulates rows of 256 in fp32 (~2e-8)
@@ -196,7 +196,7 @@ def test_refresh_and_param_groups_setter_rebuild_the_registry() -> None:
     optimizer.refresh()
     assert optimizer.registry is not first
     expected = float(optimizer.param_l2_norm())
-    # The documented limit (norm_optim.staleness): a main param in the middle of a group gets
+    # The documented limit (norm_optim._staleness): a main param in the middle of a group gets
     # new storage while the group's ends stay put. The fingerprint cannot see it, refresh() can.
     group = next(g for g in inner.fp32_from_float16_groups if len(g) >= 3)
     middle = group[len(group) // 2]
@@ -253,7 +253,7 @@ def test_a_replacement_costs_one_rebuild_and_no_second_warm_up(
     """After the wrapper drops its registry (here: new param-group lists through the setter),
     the next call rebuilds once and records the optimizer as it is now: the call after it must
     not rebuild again. The kernels are warmed up at the first build only."""
-    import norm_optim.wrapper as wrapper
+    import norm_optim._wrapper as wrapper
 
     warm_ups: list[bool] = []
     reducer_class = wrapper.NormReducer

@@ -32,12 +32,12 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim.errors import ParallelStateError, UnknownParamError, UnsupportedOptimizerError
+from norm_optim._errors import ParallelStateError, UnknownParamError, UnsupportedOptimizerError
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
-from norm_optim.versions import megatron_at_least
-from layouts import SMALL, SMALL_MOE, Layout
+from norm_optim._versions import megatron_at_least
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 7, 8
 MAIN_SCALE = 1.0 + 2.0**-10
@@ -62,7 +62,7 @@ class _Counting:
 
     @staticmethod
     def make() -> Any:
-        from norm_optim.comm import TorchCommunicator
+        from norm_optim._comm import TorchCommunicator
 
         class Counting(TorchCommunicator):
             all_reduces = 0
@@ -454,7 +454,7 @@ def test_placements_that_cannot_be_counted_are_refused(kind: str, world: int,
 def _patches_body() -> list[bool]:
     from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp
 
-    from norm_optim.testing.torch_fsdp2 import install_torch_fsdp2_cpu_patches
+    from norm_optim.testing._internal.torch_fsdp2_patches import install_torch_fsdp2_cpu_patches
 
     original = tfsdp.DeviceMesh
     handle = install_torch_fsdp2_cpu_patches()

@@ -16,8 +16,8 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
-from layouts import DENSE, MOE, Layout
-from mocked_state import TinyMoE, float16_optimizer, single_process
+from tests.support.layouts import DENSE, MOE, Layout
+from tests.support.mocked_state import TinyMoE, float16_optimizer, single_process
 
 SEED = 5
 

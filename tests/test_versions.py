@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from norm_optim import versions
+from norm_optim import _versions as versions
 
 
 def test_installed_release_is_read_and_tested() -> None:

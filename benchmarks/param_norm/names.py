@@ -4,7 +4,7 @@ world sizes up to 16,384, on one process.
 Each simulated rank holds the layout-independent names a GPTModel (Transformer Engine spec, RMS
 norms with q/k layernorm, no biases; MoE layers with TE grouped experts) would give it on its
 pipeline stage and expert rank: the names are generated here from the layout (no model is
-built), shaped like ``norm_optim.naming``'s. :func:`norm_optim.name_exchange.exchange_names`
+built), shaped like ``norm_optim._megatron.naming``'s. :func:`norm_optim._name_exchange.exchange_names`
 then runs as one rank, over a :class:`~norm_optim.testing.RecordingCommunicator` that plays
 every other rank (their digests, their broadcasts) and counts the bytes as torch.distributed
 moves them (``tests/test_name_exchange.py`` checks that count against real gloo runs at 2-8
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from norm_optim.name_exchange import digests, exchange_names, name_parts, speakers
+from norm_optim._name_exchange import digests, exchange_names, name_parts, speakers
 from norm_optim.testing import RecordingCommunicator
 from norm_optim.testing.comm import Traffic
 
@@ -96,7 +96,7 @@ WORLDS: tuple[int, ...] = (64, 1024, 16384)
 
 
 def simulate_exchange(model: NamesModel, world: int, rank: int) -> Traffic:
-    """One rank's traffic in :func:`~norm_optim.name_exchange.exchange_names` at ``world``."""
+    """One rank's traffic in :func:`~norm_optim._name_exchange.exchange_names` at ``world``."""
     cpu = torch.device("cpu")
 
     @functools.lru_cache(maxsize=None)

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from norm_optim.comm import TorchCommunicator
-from norm_optim.megatron import rank_coords, read_declarations
-from norm_optim.registry import ParamRegistry
+from norm_optim._comm import TorchCommunicator
+from norm_optim._megatron import rank_coords, read_declarations
+from norm_optim._registry import ParamRegistry
 
 BUILDS = 3
 

@@ -32,17 +32,17 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from ..errors import NormOptimError
-from ..norm import ParamNorms
-from ..versions import megatron_core_version_string
-from .common import (
+from .._errors import NormOptimError
+from .._norm import ParamNorms
+from .._versions import megatron_core_version_string
+from ._common import (
     DeferredParamsNorm,
     LoggedParamsNorm,
     ParamsNormLog,
     ParamsNormWithBreakdown,
     is_loop_model,
 )
-from ..wrapper import NormAwareOptimizer
+from .._wrapper import NormAwareOptimizer
 
 __all__ = [
     "MegatronLMIntegration",

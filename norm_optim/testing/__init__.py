@@ -2,7 +2,8 @@
 
 - :mod:`~norm_optim.testing.launcher` — :func:`run_ranks` (a function on N gloo ranks, fresh
   processes, failures and hangs reported) and :func:`init_parallel`.
-- :mod:`~norm_optim.testing.shim` — the test-only CPU shim for megatron-core's CUDA code paths.
+- :func:`cpu_shim` / :func:`install_cpu_shim` — the test-only CPU shim for megatron-core's CUDA
+  code paths (``run_ranks`` installs it in each rank).
 - :mod:`~norm_optim.testing.models` — tiny GPT / MoE models on any layout, the real optimizer,
   one real training step.
 - :mod:`~norm_optim.testing.oracle` — layout-independent weight values and their exact norm.
@@ -11,6 +12,9 @@
 - :mod:`~norm_optim.testing.megatron_fsdp` — Megatron-FSDP models on CPU ranks (test-only
   patches, :func:`~norm_optim.testing.megatron_fsdp.build_fsdp_model`, deterministic weights
   written into its buffers).
+
+The CPU patches these runners apply (and the CI workarounds behind them) are internal:
+``norm_optim.testing._internal``, not part of the API.
 
 A multi-rank test::
 
@@ -38,7 +42,7 @@ from norm_optim.testing.oracle import (
     oracle_sum_of_squares,
 )
 from norm_optim.testing.layers import SequenceParallelTorchNorm
-from norm_optim.testing.shim import (
+from norm_optim.testing._internal.shim import (
     CpuShim,
     cpu_shim,
     init_rng,

@@ -1,4 +1,4 @@
-"""A recording stand-in for :class:`norm_optim.comm.Communicator` (one process, no collectives)."""
+"""A recording stand-in for :class:`norm_optim.Communicator` (one process, no collectives)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from norm_optim.comm import Done, ProcessGroup, Work
+from norm_optim._comm import Done, ProcessGroup, Work
 
 # What a simulated peer contributes: peers(kind, group rank, i) for the i-th collective of that
 # kind: "all_gather" (its tensor) or "broadcast" (its object: it is the root).

@@ -1,19 +1,18 @@
 """Run Megatron-Bridge's real ``pretrain(cfg, forward_step)`` on CPU gloo ranks (test support).
 
 Megatron-Bridge (``megatron.bridge``, 0.6.2 on megatron-core 0.19.2) is NVIDIA's recipe library
-on megatron-core. Its training loop runs unchanged on CPU with norm_optim's CPU shim
-(:mod:`norm_optim.testing.shim`) plus the patches below, each named after the Bridge or
-megatron code it exists for and each reversible:
+on megatron-core. Its training loop runs unchanged on CPU with norm_optim's CPU shim plus
+test-only patches, each named after the Bridge or megatron code it exists for and each
+reversible (internal: ``norm_optim.testing._internal.bridge_patches``):
 
 - at import (:func:`import_bridge`): a Transformer Engine stand-in handed to
   ``megatron.bridge.peft.lora_layers`` only, and NVRx's async checkpointing hidden from
   megatron-core's probe;
-- per rank (:func:`install_bridge_cpu_patches`): ``initialize_megatron(allow_no_cuda=True)``,
-  one CUDA device that ``set_device`` ignores, the dataset helpers' compile and the JIT fusion
-  warm-up skipped, and ``torch.cuda`` RNG state read from the CPU generator;
-- per rank, when the config asks for Megatron-FSDP (:func:`install_bridge_megatron_fsdp_cpu_patches`):
-  :func:`~norm_optim.testing.megatron_fsdp.install_megatron_fsdp_cpu_patches`, and the CPU
-  device for the ``FullyShardedDataParallel`` that Bridge's ``get_model`` builds without one.
+- per rank (:func:`run_pretrain`): ``initialize_megatron(allow_no_cuda=True)``, one CUDA device
+  that ``set_device`` ignores, the dataset helpers' compile and the JIT fusion warm-up skipped,
+  and ``torch.cuda`` RNG state read from the CPU generator; when the config asks for
+  Megatron-FSDP, its CPU patches and the CPU device for the ``FullyShardedDataParallel`` that
+  Bridge's ``get_model`` builds without one.
 
 A Bridge model for CPU uses the local (non-TE) layer spec with a sequence-parallel torch norm
 (:func:`cpu_layer_spec`) and ``RNGConfig(inference_rng_tracker=True)``; :func:`tiny_config`
@@ -28,54 +27,33 @@ that works.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import io
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
-from norm_optim.testing.loop_patches import (
-    allow_no_cuda_patches,
-    compile_helpers_patches,
-    cpu_rng_state_patches,
-    jit_fusion_options_patches,
-    one_cuda_device_patches,
+from norm_optim.testing._internal.torch_fsdp2_patches import install_torch_fsdp2_cpu_patches
+from norm_optim.testing._internal.bridge_patches import (
+    transformer_engine_for_lora_layers,
+    without_nvrx_async_checkpointing,
+    install_bridge_cpu_patches,
+    install_bridge_megatron_fsdp_cpu_patches,
 )
-from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
-from norm_optim.testing.patching import Patch, PatchSet
-from norm_optim.testing.torch_fsdp2 import install_torch_fsdp2_cpu_patches
 
 __all__ = [
     "RankOutput",
-    "allow_no_cuda_patches",
     "bridge_available",
-    "compile_helpers_patches",
     "cpu_layer_spec",
-    "cpu_rng_state_patches",
     "import_bridge",
-    "install_bridge_cpu_patches",
-    "install_bridge_megatron_fsdp_cpu_patches",
-    "jit_fusion_options_patches",
-    "megatron_fsdp_cpu_device_patches",
-    "one_cuda_device_patches",
     "run_pretrain",
     "tiny_config",
 ]
-
-# The module that imports Transformer Engine unconditionally (``import transformer_engine.pytorch
-# as te``, for its LoRA layers); nothing on the pretraining path uses those layers.
-_TE_IMPORTER = "megatron.bridge.peft.lora_layers"
-# megatron-core's ``has_nvrx_async_support`` (dist_checkpointing/strategies/nvrx.py, run when
-# strategies/torch.py is imported) reads ``nvidia_resiliency_ext.__version__``, which NVRx 0.4.1
-# (the newest on the registry) lacks. A None entry makes its probe import fail, so it answers
-# "no async support" before reading the version.
-_NVRX_ASYNC_CORE = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
 
 
 def bridge_available() -> bool:
@@ -86,62 +64,6 @@ def bridge_available() -> bool:
         return importlib.util.find_spec("megatron.bridge") is not None
     except (ImportError, ValueError):
         return False
-
-
-class _TransformerEngineStandIn(type):
-    """Any attribute of the stand-in is another stand-in class: ``te.ops.Sequential`` in
-    annotations and ``isinstance(x, te.Linear)`` work (always False); instantiating one fails."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _TransformerEngineStandIn(name, (), {"__init__": _te_unavailable})
-
-
-def _te_unavailable(self: Any, *args: Any, **kwargs: Any) -> None:
-    raise ImportError(
-        f"{type(self).__name__}: Transformer Engine is not installed; this is "
-        f"norm_optim.testing's import-time stand-in for {_TE_IMPORTER}"
-    )
-
-
-@contextlib.contextmanager
-def _transformer_engine_for_lora_layers() -> Iterator[None]:
-    """Hand a Transformer Engine stand-in to ``megatron.bridge.peft.lora_layers`` only.
-
-    Other modules keep seeing TE as absent (megatron-core's ``HAVE_TE`` checks must stay False
-    on CPU), so the stand-in is returned by ``__import__`` for that importer, never put in
-    ``sys.modules``.
-    """
-    original = builtins.__import__
-    stand_in = _TransformerEngineStandIn("transformer_engine", (), {})
-
-    def import_(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
-                level: int = 0) -> Any:
-        if (name.split(".")[0] == "transformer_engine" and globals is not None
-                and globals.get("__name__") == _TE_IMPORTER):
-            return stand_in
-        return original(name, globals, locals, fromlist, level)
-
-    builtins.__import__ = import_
-    try:
-        yield
-    finally:
-        builtins.__import__ = original
-
-
-@contextlib.contextmanager
-def _without_nvrx_async_checkpointing() -> Iterator[None]:
-    had = _NVRX_ASYNC_CORE in sys.modules
-    previous = sys.modules.get(_NVRX_ASYNC_CORE)
-    sys.modules[_NVRX_ASYNC_CORE] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        if had:
-            sys.modules[_NVRX_ASYNC_CORE] = previous  # type: ignore[assignment]
-        else:
-            del sys.modules[_NVRX_ASYNC_CORE]
 
 
 def import_bridge() -> types.ModuleType:
@@ -162,68 +84,11 @@ def import_bridge() -> types.ModuleType:
         # Without TE or Apex, megatron and Bridge warn once per module that they fall back to
         # torch implementations; that is the intended setup on CPU.
         warnings.simplefilter("ignore")
-        with _transformer_engine_for_lora_layers(), _without_nvrx_async_checkpointing():
+        with transformer_engine_for_lora_layers(), without_nvrx_async_checkpointing():
             for name in ("megatron.bridge.training.pretrain", "megatron.bridge.training.gpt_step",
                          "megatron.bridge.training.utils.train_utils"):
                 importlib.import_module(name)
     return sys.modules["megatron.bridge.training.pretrain"]
-
-
-# ---------------------------------------------------------------- per-rank runtime patches
-# Generic ones (the same fix for Megatron-LM's loop) are separate named functions.
-
-
-def install_bridge_cpu_patches() -> PatchSet:
-    """Apply the per-rank patches Bridge's ``pretrain()`` needs on CPU, after the CPU shim.
-
-    Each was found by removing it and watching ``pretrain()`` fail (except the RNG state one,
-    see :func:`cpu_rng_state_patches`).
-
-    Returns:
-        A handle whose ``uninstall()`` (or ``with``) restores the originals, in reverse order.
-    """
-    from megatron.bridge.training import initialize, setup
-
-    return PatchSet.apply(
-        one_cuda_device_patches() + cpu_rng_state_patches() + allow_no_cuda_patches(setup)
-        + compile_helpers_patches(initialize) + jit_fusion_options_patches(setup)
-    )
-
-
-def megatron_fsdp_cpu_device_patches() -> list[Patch]:
-    """``FullyShardedDataParallel`` built on the CPU device when its caller names none.
-
-    Bridge's ``get_model`` (``models/model_provider.py``) wraps the model with megatron-core's
-    ``megatron.training.models.dist_utils._ddp_wrap``, which constructs
-    ``FullyShardedDataParallel(config=..., ddp_config=..., module=..., ...)`` without a
-    ``device``; the adapter's ``__init__`` (``distributed/fsdp/mcore_fsdp_adapter.py``) then uses
-    ``torch.device(f"cuda:{torch.cuda.current_device()}")``, which the CPU shim makes
-    ``"cuda:cpu"`` (an error). With the CPU device given, Megatron-FSDP keeps its buffers on CPU
-    as :func:`~norm_optim.testing.megatron_fsdp.build_fsdp_model` builds it.
-    """
-    import functools
-
-    from megatron.core.distributed import FullyShardedDataParallel
-
-    init = FullyShardedDataParallel.__init__
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, device: Optional[torch.device] = None,
-                 **kwargs: Any) -> None:
-        init(self, *args, device=device or torch.device("cpu"), **kwargs)
-
-    return [Patch(FullyShardedDataParallel, "__init__", __init__)]
-
-
-@contextlib.contextmanager
-def install_bridge_megatron_fsdp_cpu_patches() -> Iterator[None]:
-    """Megatron-FSDP under Bridge's ``pretrain()`` on CPU: megatron-core's Megatron-FSDP
-    patches (:func:`~norm_optim.testing.megatron_fsdp.install_megatron_fsdp_cpu_patches`) and
-    :func:`megatron_fsdp_cpu_device_patches`, restored on exit. Also set
-    ``ddp.gradient_reduce_div_fusion=False`` (gloo has no ``PREMUL_SUM``; :func:`tiny_config`
-    does)."""
-    with install_megatron_fsdp_cpu_patches(), PatchSet.apply(megatron_fsdp_cpu_device_patches()):
-        yield
 
 
 # ---------------------------------------------------------------- a tiny model and config
@@ -408,8 +273,7 @@ def run_pretrain(
     """Run Bridge's ``pretrain(config, gpt_step.forward_step)`` on ``world_size`` CPU gloo ranks.
 
     Each rank is a forked child (:func:`~norm_optim.testing.run_ranks`) with the CPU shim and
-    :func:`install_bridge_cpu_patches` (and :func:`install_bridge_megatron_fsdp_cpu_patches`
-    when the config uses Megatron-FSDP); ``before()`` runs in the rank first (e.g. an
+    Bridge's CPU patches (and Megatron-FSDP's when the config uses it); ``before()`` runs in the rank first (e.g. an
     integration's ``install``; what it returns is ``uninstall()``-ed after).
 
     Returns:

@@ -19,15 +19,14 @@ Megatron-LM's ``pretrain_gpt.py`` is not in the wheel; :func:`pretrain_gpt` does
 ``pretrain``) with a forward step and a dataset provider built from the wheel's own pieces
 (``MockGPTDataset``, ``get_batch_on_this_tp_rank``, the GPT loss).
 
-**Test-only patches.** On top of the CPU shim (:mod:`norm_optim.testing.shim`, installed by
-``run_ranks``), Megatron-LM's loop needs the patches below; each ``*_patches()`` function
-returns the reversible attribute patches (:class:`~norm_optim.testing.patching.Patch`) for one megatron code path and
-says which. :func:`cpu_loop_patches` are those any training loop on megatron-core needs (also
-Megatron-Bridge's: CUDA device count, dataset helper compilation, CUDA RNG state in checkpoints,
-``torch_dist`` saves in a forked rank); :func:`megatron_lm_patches` those of
-``megatron.training`` itself. :func:`megatron_lm_on_cpu` applies both and undoes them. MoE with
-TP needs sequence parallelism, which the local spec's torch norm refuses: that one is not a
-patch but a layer spec (:func:`sequence_parallel_norm_layer_spec`), set on the model config.
+**Test-only patches.** On top of the CPU shim (installed by ``run_ranks``), Megatron-LM's loop
+needs reversible patches, which :func:`pretrain_gpt` applies for the run and undoes: those any
+training loop on megatron-core needs (CUDA device count, dataset helper compilation, CUDA RNG
+state in checkpoints, ``torch_dist`` saves in a forked rank) and those of ``megatron.training``
+itself, each named after the megatron code it exists for (internal:
+``norm_optim.testing._internal.megatron_lm_patches``). MoE with TP needs sequence parallelism,
+which the local spec's torch norm refuses: that one is not a patch but a layer spec
+(:func:`sequence_parallel_norm_layer_spec`), set on the model config.
 
 Needs megatron-core >= 0.19 (``pretrain`` takes a config container since 0.19); the patches
 themselves apply to 0.17+.
@@ -39,7 +38,7 @@ import contextlib
 import io
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -47,24 +46,13 @@ from typing import Any
 import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
-from norm_optim.testing.loop_patches import (
-    allow_no_cuda_patches,
-    compile_helpers_patches,
-    cpu_rng_state_patches,
-    jit_fusion_options_patches,
-    one_cuda_device_patches,
-    torch_dist_save_patches,
-)
-from norm_optim.testing.patching import Patch, patches_applied
+from norm_optim.testing._internal.patching import Patch
+from norm_optim.testing._internal.megatron_lm_patches import megatron_lm_on_cpu
 
 __all__ = [
     "CPU_FLAGS",
     "PretrainResult",
     "RecordingSummaryWriter",
-    "cpu_loop_patches",
-    "device_arch_patches",
-    "megatron_lm_on_cpu",
-    "megatron_lm_patches",
     "pretrain_gpt",
     "recording_tensorboard_patches",
     "sequence_parallel_norm_layer_spec",
@@ -87,69 +75,7 @@ CPU_FLAGS: tuple[str, ...] = (
 )
 
 
-# ------------------------------------------------------------------ generic loop patches
-# Needed by any Megatron training loop built on megatron-core (Megatron-LM's, Megatron-Bridge's).
-
-
-def cpu_loop_patches() -> list[Patch]:
-    """The patches any megatron-core training loop needs on CPU (on top of the CPU shim)."""
-    from megatron.core.datasets import utils
-
-    return (one_cuda_device_patches() + compile_helpers_patches(utils) + cpu_rng_state_patches()
-            + torch_dist_save_patches())
-
-
 # ------------------------------------------------------------------ megatron.training patches
-
-
-def device_arch_patches() -> list[Patch]:
-    """``get_device_arch_version`` -> 9 (Hopper) in argument validation.
-
-    With TP > 1 ``validate_args`` (megatron/training/arguments.py) reads the GPU architecture
-    (``torch.cuda.get_device_properties``) to decide whether ``CUDA_DEVICE_MAX_CONNECTIONS=1``
-    is required; on 9 it requires it, which :func:`megatron_lm_on_cpu` sets.
-    """
-    from megatron.training import arguments
-
-    return [Patch(arguments, "get_device_arch_version", lambda: 9)]
-
-
-def megatron_lm_patches() -> list[Patch]:
-    """The patches ``megatron.training``'s own code needs on CPU."""
-    from megatron.training import training
-
-    return (allow_no_cuda_patches(training) + jit_fusion_options_patches(training)
-            + device_arch_patches())
-
-
-@contextlib.contextmanager
-def megatron_lm_on_cpu(*, torch_fsdp2: bool = False) -> Iterator[None]:
-    """Apply :func:`cpu_loop_patches` and :func:`megatron_lm_patches`, and set
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (see :func:`device_arch_patches`); restore all on exit.
-    Needs the CPU shim installed (``run_ranks`` does).
-
-    With ``torch_fsdp2`` (``--use-torch-fsdp2``): unset that variable instead (``validate_args``
-    asserts FSDP runs do not set it to 1; with TP it only warns) and apply the CPU patch of
-    :func:`~norm_optim.testing.torch_fsdp2.install_torch_fsdp2_cpu_patches`.
-    """
-    previous = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if torch_fsdp2:
-        from norm_optim.testing.torch_fsdp2 import install_torch_fsdp2_cpu_patches
-
-        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-        fsdp2 = install_torch_fsdp2_cpu_patches()
-    else:
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    try:
-        with patches_applied(cpu_loop_patches() + megatron_lm_patches()):
-            yield
-    finally:
-        if torch_fsdp2:
-            fsdp2.uninstall()
-        if previous is None:
-            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-        else:
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = previous
 
 
 def sequence_parallel_norm_layer_spec(model_config: Any, vp_stage: int | None = None) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.testing._internal.mimo_patches import install_mimo_cpu_patches
 
 __all__ = [
     "ENCODER",
@@ -27,7 +27,6 @@ __all__ = [
     "build_mimo_model",
     "fill_mimo_deterministic_",
     "has_mimo",
-    "install_mimo_cpu_patches",
     "mimo_modules",
     "mimo_param_shapes",
 ]
@@ -42,28 +41,6 @@ _GROUPS = {
     "ep": ["ep"], "expt_dp": ["expt_dp"], "mp": ["tp", "pp"], "tp_ep_pp": ["tp", "ep", "pp"],
     "intra_dist_opt": ["tp", "cp", "dp", "pp"],
 }
-
-
-class _GlooSubgroups:
-    """``torch.distributed`` as models/mimo/comm/colocated_communicator.py sees it, except that
-    the subgroups it builds with a literal ``backend='nccl'`` (the colocated bridge's gather
-    group, where modules differ in DP) use the default backend (gloo on CPU ranks)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.distributed, name)
-
-    @staticmethod
-    def new_subgroups_by_enumeration(ranks: Any, **kwargs: Any) -> Any:
-        kwargs.pop("backend", None)
-        return torch.distributed.new_subgroups_by_enumeration(ranks, **kwargs)
-
-
-def install_mimo_cpu_patches() -> PatchSet:
-    """Patch megatron-core so that colocated MIMO modules with different DP build on CPU
-    ranks (see :class:`_GlooSubgroups`); ``uninstall()`` the handle to restore it. Test-only."""
-    from megatron.core.models.mimo.comm import colocated_communicator
-
-    return PatchSet.apply([Patch(colocated_communicator, "dist", _GlooSubgroups())])
 
 
 def has_mimo() -> bool:
@@ -184,7 +161,7 @@ def build_mimo_model(layout: MimoLayout, seed: int = 1234) -> Any:
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
     from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
 
-    from norm_optim.testing.shim import init_rng
+    from norm_optim.testing._internal.shim import init_rng
 
     grids = {ENCODER: _grid(layout.encoder), MIMO_LANGUAGE_MODULE_KEY: _grid(layout.language)}
     pgs = {name: _pg_collection(grid) for name, grid in grids.items()}

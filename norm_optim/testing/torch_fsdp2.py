@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import Replicate
 
-from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.testing._internal.torch_fsdp2_patches import install_torch_fsdp2_cpu_patches
 
 __all__ = [
     "TinyTorchLM",
@@ -34,39 +34,8 @@ __all__ = [
     "build_torch_fsdp2_model",
     "fill_dtensor_deterministic_",
     "full_sum_of_squares",
-    "install_torch_fsdp2_cpu_patches",
     "native_train_step",
 ]
-
-_HANDLE_ATTR = "_norm_optim_torch_fsdp2_patches"
-
-
-class _CpuDeviceMesh:
-    """``TorchFullyShardedDataParallel.__init__`` builds its mesh with
-    ``DeviceMesh.from_group(self.process_group, "cuda")``: build it on CPU (gloo) instead."""
-
-    @staticmethod
-    def from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
-
-
-def install_torch_fsdp2_cpu_patches() -> PatchSet:
-    """Patch megatron-core so that ``TorchFullyShardedDataParallel`` builds on CPU ranks.
-
-    Process-local and idempotent; ``uninstall()`` the handle to restore the original. Needs the
-    CPU shim too (:func:`~norm_optim.testing.run_ranks` installs it).
-    """
-    from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp
-
-    existing = getattr(tfsdp, _HANDLE_ATTR, None)
-    if existing is not None and existing.installed:
-        return existing
-    handle = PatchSet.apply([Patch(tfsdp, "DeviceMesh", _CpuDeviceMesh),
-                             Patch(tfsdp, _HANDLE_ATTR, None)])
-    setattr(tfsdp, _HANDLE_ATTR, handle)
-    return handle
 
 
 def build_torch_fsdp2_model(cfg: Any = None, *, seed: int = 1234) -> list[torch.nn.Module]:
@@ -86,11 +55,11 @@ def build_torch_fsdp2_model(cfg: Any = None, *, seed: int = 1234) -> list[torch.
     )
     from megatron.core.transformer.module import Float16Module
 
-    from norm_optim.testing.megatron_fsdp import _cpu_shim_installed
+    from norm_optim.testing._internal.megatron_fsdp_patches import cpu_shim_installed
     from norm_optim.testing.models import TinyGPTConfig, build_chunk, transformer_config
-    from norm_optim.testing.shim import init_rng
+    from norm_optim.testing._internal.shim import init_rng
 
-    if _cpu_shim_installed():
+    if cpu_shim_installed():
         install_torch_fsdp2_cpu_patches()
     cfg = cfg if cfg is not None else TinyGPTConfig(tie_embeddings=False)
     init_rng(seed)

@@ -1,8 +1,8 @@
 """``NormAwareOptimizer``: a Megatron-core optimizer that also knows its weights' global norm.
 
 The wrapper holds no layout logic: it delegates everything to the wrapped optimizer, keeps a
-:class:`~norm_optim.registry.ParamRegistry` up to date, and asks a
-:class:`~norm_optim.norm.NormReducer` for the norm.
+:class:`~norm_optim.ParamRegistry` up to date, and asks a
+:class:`~norm_optim._norm.NormReducer` for the norm.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .comm import Communicator, ProcessGroup, TorchCommunicator
-from .norm import NormReducer, ParamNorms, PendingNorms
-from .megatron import check_reduce_group, rank_coords
-from .ownership import RankCoords
-from .registry import ParamRegistry
-from .staleness import Staleness
-from .versions import warn_if_untested
+from ._comm import Communicator, ProcessGroup, TorchCommunicator
+from ._norm import NormReducer, ParamNorms, PendingNorms
+from ._megatron import check_reduce_group, rank_coords
+from ._ownership import RankCoords
+from ._registry import ParamRegistry
+from ._staleness import Staleness
+from ._versions import warn_if_untested
 
 @dataclasses.dataclass
 class _State:
@@ -151,7 +151,7 @@ class NormAwareOptimizer:
         state.reducer = None
 
     def _current_reducer(self) -> NormReducer:
-        # Rebuild only when the optimizer replaced its tensors (see norm_optim.staleness).
+        # Rebuild only when the optimizer replaced its tensors (see norm_optim._staleness).
         state = self._state
         # is_stale() first: it also takes the fingerprint that record() below keeps.
         if state.staleness.is_stale() or state.reducer is None:

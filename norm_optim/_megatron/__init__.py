@@ -3,9 +3,11 @@
 Everything below it (ownership, registry, kernels, the reduction) is plain logic over the data it
 returns, testable without Megatron. A new megatron-core release should mean a change here only.
 
-- :mod:`.optimizers` — what each optimizer kind holds for each model param, and over which group
-  (:class:`Holding`): chained, distributed (incl. precision-aware and CPU offload), Float16,
-  FP32, layer-wise, plain torch; kinds it cannot read are refused by class, with the version.
+- :mod:`.holdings` — :class:`Holding` (what a leaf holds for a model param, and over which
+  group) and :func:`leaves`, shared by the readers below.
+- :mod:`.optimizers` — what each optimizer kind holds for each model param: chained,
+  distributed (incl. precision-aware and CPU offload), Float16, FP32, layer-wise, plain torch;
+  kinds it cannot read are refused by class, with the version.
 - :mod:`.fsdp` — Megatron-FSDP: its fp32 main-weight shards in its buffers, and the DTensor
   stand-ins it swaps into the module (:func:`model_param` maps them back).
 - :mod:`.dtensor` — torch FSDP2 and other DTensor params: local shards and the replicating
@@ -21,13 +23,16 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 - :mod:`.params` — per-param traits from the declarations, megatron's markers and the model's
   structure: expert, TP-split (and where that came from), GTP-sharded (and its pad rows), tied
   copy.
+- :mod:`.naming` — layout-independent param names (global layer numbers, global expert
+  indices, the numbered weights of TE grouped linears), the per-param norms' keys.
 """
 
 from .declarations import Declaration, Declarations, read_declarations
 from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
 from .mimo import mimo_param_coords
-from .optimizers import Holding, fingerprint, leaves, read_holdings, where
+from .holdings import Holding, leaves
+from .optimizers import fingerprint, read_holdings, where
 from .parallel_state import check_reduce_group, rank_coords
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from ..versions import megatron_at_least
+from .._versions import megatron_at_least
 from .fsdp import model_param
 
 

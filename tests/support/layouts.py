@@ -22,7 +22,7 @@ import pytest
 
 from norm_optim.testing.models import TinyGPTConfig
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
-from norm_optim.versions import megatron_at_least
+from norm_optim._versions import megatron_at_least
 
 DENSE = TinyGPTConfig(hidden_size=32, num_layers=4, num_attention_heads=4, vocab_size=64)
 MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)

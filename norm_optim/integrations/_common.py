@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from ..errors import NormOptimError
-from ..norm import NamedNorms, ParamNorms
+from .._errors import NormOptimError
+from .._norm import NamedNorms, ParamNorms
 
 
 class LoggedParamsNorm(float):
@@ -78,7 +78,7 @@ def scalars(norms: ParamNorms, breakdown: bool) -> dict[str, float]:
 
     ``params-norm-dense`` / ``params-norm-expert`` with ``breakdown``; with per-param norms,
     ``params-norm/param/<name>`` (layout-independent name), ``params-norm/layer/<layer>`` and
-    ``params-norm/expert/<layer>.<expert>`` (:mod:`norm_optim.naming`). Reads every value in
+    ``params-norm/expert/<layer>.<expert>`` (:mod:`norm_optim._megatron.naming`). Reads every value in
     one host transfer per mapping.
     """
     out: dict[str, float] = {}

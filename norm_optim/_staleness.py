@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 import torch
 
-from .megatron import fingerprint, where
-from .registry import ParamRegistry
-from .vocabulary import Source
+from ._megatron import fingerprint, where
+from ._registry import ParamRegistry
+from ._vocabulary import Source
 
 
 class Staleness:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .vocabulary import NotCounted
+from ._vocabulary import NotCounted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Which megatron-core releases norm_optim was tested on, and which one is installed.
 
-norm_optim reads megatron-core internals (all of them in :mod:`norm_optim.megatron`); a release
+norm_optim reads megatron-core internals (all of them in :mod:`norm_optim._megatron`); a release
 we have not run may have moved them. Such a release still works where its layout is unchanged,
 but it warns once, and every "cannot read this" error names the installed version so a report
 says where to look.

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .megatron.fsdp import model_param
+from .fsdp import model_param
 
 _NUMBERED_WEIGHT = re.compile(r"^(weight|bias)(\d+)$")
 

@@ -1,7 +1,7 @@
 """The registry: for each model param, the fp32 tensor this rank holds for it and whether it counts.
 
-Built once, in O(params), from the optimizer (:mod:`norm_optim.megatron`) and the counting rule
-(:mod:`norm_optim.ownership`). The hot call only reads :attr:`ParamRegistry.counted`, already
+Built once, in O(params), from the optimizer (:mod:`norm_optim._megatron`) and the counting rule
+(:mod:`norm_optim._ownership`). The hot call only reads :attr:`ParamRegistry.counted`, already
 grouped into kernel plans; it never walks params.
 """
 
@@ -12,10 +12,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .comm import Communicator
-from .errors import ParallelStateError, UnknownParamError
-from .kernels import Summand
-from .megatron import (
+from ._comm import Communicator
+from ._errors import ParallelStateError, UnknownParamError
+from ._kernels import Summand
+from ._megatron import (
     Declarations,
     Holding,
     ModelStructure,
@@ -28,9 +28,9 @@ from .megatron import (
     is_fsdp2_model,
     without_padding,
 )
-from .naming import global_param_names
-from .ownership import RankCoords, mesh_conflict, why_not_counted
-from .vocabulary import NotCounted, Source, SplitFrom
+from ._megatron.naming import global_param_names
+from ._ownership import RankCoords, mesh_conflict, why_not_counted
+from ._vocabulary import NotCounted, Source, SplitFrom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +45,16 @@ class ParamRecord:
         param: the model param.
         tensor: what this rank sums for it: the optimizer's fp32 main param, this rank's fp32
             shard of it, the fp32 param itself, the param itself when frozen, a
-            :class:`~norm_optim.kernels.RemainderMaster` (TE's bf16 + int16 encoding of an fp32
+            :class:`~norm_optim._kernels.RemainderMaster` (TE's bf16 + int16 encoding of an fp32
             master shard: ``dtype``, ``shape`` and ``numel()`` are those of the fp32 master), or
             None.
-        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.vocabulary.Source`).
+        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.Source`).
         expert: whether it is an expert param (reduced with the expert layout).
         counted: whether this rank adds ``tensor``'s squares to the global norm.
-        reason: why it is not counted (:class:`~norm_optim.vocabulary.NotCounted`), or None.
+        reason: why it is not counted (:class:`~norm_optim.NotCounted`), or None.
         tp_split: whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies).
         split_from: where ``tp_split`` was taken from
-            (:class:`~norm_optim.vocabulary.SplitFrom`): the model's checkpoint declaration
+            (:class:`~norm_optim._vocabulary.SplitFrom`): the model's checkpoint declaration
             (``sharded_state_dict``) or megatron's marker (no declaration; models that are not
             megatron modules).
         note: for a megatron model's param, how megatron's marker disagrees with its

@@ -12,13 +12,13 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from .comm import Communicator, ProcessGroup, Work
-from .errors import NormOptimError
-from .kernels import SumOfSquaresPlan
-from .name_exchange import exchange_names
-from .naming import expert_of, layer_of, natural_key
-from .registry import ParamRecord, ParamRegistry
-from .vocabulary import NotCounted
+from ._comm import Communicator, ProcessGroup, Work
+from ._errors import NormOptimError
+from ._kernels import SumOfSquaresPlan
+from ._name_exchange import exchange_names
+from ._megatron.naming import expert_of, layer_of, natural_key
+from ._registry import ParamRecord, ParamRegistry
+from ._vocabulary import NotCounted
 
 DENSE, EXPERT = 0, 1
 """Slots of the dense and expert sums of squares at the head of every reduced vector; per-param
@@ -51,8 +51,8 @@ class ParamNorms:
     """Global L2 norms of the model's weights (0-dim float64 tensors on the reduction device).
 
     ``dense**2 + expert**2 == total**2``. With ``per_param``: one norm per layout-independent
-    param name, and the rollups ``per_layer`` (by global layer, :func:`~norm_optim.naming.
-    layer_of`) and ``per_expert`` (by ``<layer>.<expert>``, :func:`~norm_optim.naming.expert_of`),
+    param name, and the rollups ``per_layer`` (by global layer, :func:`~norm_optim._megatron.naming.
+    layer_of`) and ``per_expert`` (by ``<layer>.<expert>``, :func:`~norm_optim._megatron.naming.expert_of`),
     each the square root of a sum of per-param squares from the same all-reduce. Reading a value
     (``float(norms.total)``) is the only host sync.
     """
@@ -237,7 +237,7 @@ class NormReducer:
         """Build (once) the plan with one slot per layout-independent param name.
 
         The names of all ranks are exchanged once, by every rank on its first per-param call
-        (:func:`~norm_optim.name_exchange.exchange_names`: only distinct name lists travel), so
+        (:func:`~norm_optim._name_exchange.exchange_names`: only distinct name lists travel), so
         that slot ``i`` means the same param everywhere.
         """
         if self._per_param_plan is None:

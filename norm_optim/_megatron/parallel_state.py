@@ -11,9 +11,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Optional
 
-from ..comm import Communicator
-from ..errors import ParallelStateError
-from ..ownership import RankCoords
+from .._comm import Communicator
+from .._errors import ParallelStateError
+from .._ownership import RankCoords
 
 
 def rank_coords(comm: Communicator, pg_collection: Any = None, optimizer: Any = None) -> RankCoords:

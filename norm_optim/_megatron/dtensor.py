@@ -10,7 +10,7 @@ A DTensor states how its elements are spread over its device mesh: on a ``Shard`
 ranks hold disjoint parts (summed, no owner needed), on a ``Replicate`` axis they hold the same
 part (counted on the axis's coordinate 0). So a DTensor holding becomes its local tensor (a view,
 no copy) plus this rank's coordinates on the replicating axes, and the rule of
-:mod:`norm_optim.ownership` does the rest; megatron's own TP (outside the FSDP mesh) still applies
+:mod:`norm_optim._ownership` does the rest; megatron's own TP (outside the FSDP mesh) still applies
 through megatron's markers, which ``TorchFullyShardedDataParallel`` copies onto the DTensors.
 Anything a sum of local shards would not count exactly once is refused by name: a ``Partial``
 (pending-reduction) or unknown placement, a local tensor whose shape is not the one the
@@ -23,7 +23,7 @@ Without megatron's parallel state (torch-native training) ranks outside every me
 rank's params are taken to hold other params (pipeline stages): a copy of a whole FSDP group kept
 outside DTensor (DDP across FSDP groups) is in no placement; describe it as HSDP. With megatron's
 parallel state the registry checks each mesh against megatron's groups
-(:func:`norm_optim.ownership.mesh_conflict`).
+(:func:`norm_optim._ownership.mesh_conflict`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import UnsupportedOptimizerError
-from .optimizers import Holding
+from .._errors import UnsupportedOptimizerError
+from .holdings import Holding
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -105,6 +105,7 @@ def read_placements(tensor: Any, optimizer: str = "") -> tuple[torch.Tensor, tup
                 "one whose local shards add up to the tensor (Partial means a reduction is still "
                 "pending): norm_optim counts Shard and Replicate placements only"
             )
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
     local = tensor._local_tensor  # DTensor.to_local() without autograd: the same view
     expected, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     if tuple(local.shape) != tuple(expected):

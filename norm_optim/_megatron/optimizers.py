@@ -2,10 +2,10 @@
 
 One small reader per kind. Each yields a :class:`Holding` for every model param the optimizer is
 responsible for: the fp32 tensor this rank holds for it (a full main param, this rank's shard of
-it, the fp32 param itself, or a :class:`~norm_optim.kernels.RemainderMaster` when Transformer
+it, the fp32 param itself, or a :class:`~norm_optim._kernels.RemainderMaster` when Transformer
 Engine keeps the fp32 master as bf16 param + int16 remainder) or ``None`` when another rank holds
 it. Readers only say *what* is held; whether this rank counts it is decided in
-:mod:`norm_optim.ownership`.
+:mod:`norm_optim._ownership`.
 
 Kinds are recognised by the attributes megatron-core gives them (duck typing), so subclasses and
 newer megatron-core releases keep working; an optimizer we cannot read is an error naming its
@@ -19,53 +19,15 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..comm import Communicator
-from ..errors import UnsupportedOptimizerError
-from ..kernels import RemainderMaster, Summand
-from ..ownership import RankCoords
-from ..versions import megatron_core_version_string
-from ..vocabulary import Source
+from .._comm import Communicator
+from .._errors import UnsupportedOptimizerError
+from .._kernels import RemainderMaster, Summand
+from .._versions import megatron_core_version_string
+from .._vocabulary import Source
+from .fsdp import is_megatron_fsdp, read_megatron_fsdp
+from .holdings import Holding, leaves
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Holding:
-    """What one optimizer leaf holds on this rank for one model param.
-
-    Attributes:
-        param: the model param.
-        tensor: the tensor whose squares this rank would sum: fp32 main param, fp32 main shard,
-            the param itself when it is fp32, a remainder-encoded fp32 master shard, or None when
-            this rank holds nothing of it.
-        source: how ``tensor`` relates to the param (for inspection and error messages).
-        replicated: True if every rank of the (expert) data-parallel group holds the same whole
-            tensor; False if the tensor is a part (or an assignment) that only this rank holds.
-        shard_group: for distributed-optimizer shards, the global ranks of the group the param
-            is sharded over. When it is smaller than the group that replicates the param (several
-            distributed-optimizer instances; or experts at EP=1, which the dense optimizer shards
-            over dense DP while expert-DP replicates them), each such group holds a full set of
-            shards, and only the one holding the replicating group's first rank counts.
-        optimizer: class name of the leaf optimizer that holds it.
-        offset: where ``tensor`` starts in the flattened param (a shard's start; 0 otherwise).
-        replica_coords: for a DTensor (torch FSDP2), this rank's coordinate on each mesh axis
-            whose ``Replicate`` placement copies it; its ``Shard`` axes partition it and need no
-            rule. Empty for other tensors.
-        mesh: for a DTensor, the global ranks of its device mesh (None for other tensors).
-        coords: this rank's coordinates in the groups of the module that holds the param, where
-            they are the module's own (MIMO); None: the model's (the wrapper's) coordinates.
-    """
-
-    param: torch.nn.Parameter
-    tensor: Optional[Summand]
-    source: Source
-    replicated: bool
-    shard_group: Optional[frozenset[int]] = None
-    optimizer: str = ""
-    offset: int = 0
-    replica_coords: tuple[int, ...] = ()
-    mesh: Optional[frozenset[int]] = None
-    coords: Optional[RankCoords] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +46,6 @@ def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order; DTensors (torch
     FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`)."""
     from .dtensor import local_holding  # they build on this module
-    from .fsdp import is_megatron_fsdp, read_megatron_fsdp
     from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
     from .mimo import is_mimo, read_mimo
 
@@ -98,19 +59,9 @@ def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     return [local_holding(holding) for holding in holdings]
 
 
-def leaves(optimizer: Any) -> Iterator[Any]:
-    """The optimizers that own tensors (a chained optimizer's members, recursively)."""
-    inner = getattr(optimizer, "chained_optimizers", None)
-    if inner is None:
-        yield optimizer
-        return
-    for member in inner:
-        yield from leaves(member)
-
-
 def fingerprint(optimizer: Any) -> tuple:
     """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors
-    (see :mod:`norm_optim.staleness` for what it is for and its limit): per leaf, the leaf and
+    (see :mod:`norm_optim._staleness` for what it is for and its limit): per leaf, the leaf and
     its torch optimizer, each param group's list and length, where its first and last param (and
     their precision-aware master weights) keep their data, and how much optimizer state exists."""
     parts: list[Any] = []
@@ -145,6 +96,7 @@ def where(tensor: Optional[torch.Tensor]) -> tuple:
         return ()
     # A DTensor (torch FSDP2 params, Megatron-FSDP's main weights) has no storage of its own:
     # its local shard does.
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
     tensor = getattr(tensor, "_local_tensor", tensor)
     return (id(tensor), tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
 
@@ -242,6 +194,7 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
                 if shard is None and _is_precision_aware(optimizer):
                     shard, how = _precision_aware_master(optimizer, param)
                 held.add(id(param))
+                # megatron/core/optimizer/distrib_optimizer.py (0.16-0.20.dev)
                 offset = optimizer._get_model_param_range_map(param)["param"].start
                 yield Holding(param, shard, how, False, shard_group, name, offset)
     # Params of this optimizer's buffers with no shard on this rank.
@@ -334,6 +287,7 @@ def _is_fp32_optimizer(optimizer: Any) -> bool:
 # silent wrong number (a MimoOptimizer looks like a stub: optimizer is None).
 _REFUSED: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (
+        # MimoOptimizer: megatron/core/models/mimo/optimizer.py (0.19-0.20.dev)
         lambda o: hasattr(o, "module_infos") and hasattr(o, "_active_optimizers"),
         "a MimoOptimizer inside another optimizer: each of its modules has its own process "
         "groups, which norm_optim reads when the MimoOptimizer itself is wrapped",

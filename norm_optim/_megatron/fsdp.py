@@ -10,9 +10,9 @@ original param. Frozen params have no main weights: their bucket's bf16 ``model_
 holds this rank's shard of them.
 
 So every element is in exactly one rank's shard within its buffer group, and the shards need no
-owner rule of their own: a shard is a :class:`~norm_optim.megatron.optimizers.Holding` that is
+owner rule of their own: a shard is a :class:`~norm_optim._megatron.holdings.Holding` that is
 not replicated, whose ``shard_group`` is the buffer's group, and the usual rule of
-:mod:`norm_optim.ownership` adds what FSDP does not shard (TP duplicates: TP rank 0, expert-TP
+:mod:`norm_optim._ownership` adds what FSDP does not shard (TP duplicates: TP rank 0, expert-TP
 rank 0 for experts; EP ranks hold different experts, and the expert mesh has no EP dim).
 Hybrid FSDP (``num_distributed_optimizer_instances > 1``) of dense models follows from the same
 rule: with ``outer_dp_sharding_strategy="no_shard"`` each instance holds a full set of shards
@@ -33,10 +33,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import UnknownParamError, UnsupportedOptimizerError
-from ..vocabulary import Source
+from .._errors import UnknownParamError, UnsupportedOptimizerError
+from .._vocabulary import Source
 from .fsdp_v2 import v2_model_param
-from .optimizers import Holding, leaves
+from .holdings import Holding, leaves
 
 _SHARDING = "optim_grads_params"
 
@@ -137,6 +137,7 @@ def _main_shard(
             "megatron_fsdp_main_params_dtype=torch.float32 (preserve_fp32_weights=True before "
             "megatron-core 0.17)"
         )
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
     local = getattr(dist_param, "_local_tensor", dist_param)
     data = mbuf.data
     start = local.storage_offset() - data.storage_offset()

@@ -9,9 +9,9 @@ it. Non-colocated modules live on disjoint ranks; colocated ones share ranks wit
 TP / DP.
 
 So the coordinates that decide who counts an element are per module: each module's holdings
-carry the :class:`~norm_optim.ownership.RankCoords` read from its own groups
+carry the :class:`~norm_optim.RankCoords` read from its own groups
 (:attr:`Holding.coords`), frozen params the coordinates of the module that owns them
-(:func:`mimo_param_coords`), and :func:`~norm_optim.ownership.why_not_counted` stays the one
+(:func:`mimo_param_coords`), and :func:`~norm_optim._ownership.why_not_counted` stays the one
 rule. The reduction is still one all-reduce, over a group that must hold every module's ranks.
 """
 
@@ -22,15 +22,17 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..comm import Communicator
-from ..errors import ParallelStateError, UnsupportedOptimizerError
-from ..ownership import RankCoords
-from .optimizers import Holding, read_holdings
+from .._comm import Communicator
+from .._errors import ParallelStateError, UnsupportedOptimizerError
+from .._ownership import RankCoords
+from .holdings import Holding
+from .optimizers import read_holdings
 from .parallel_state import coords_from_pg_collection
 
 
 def is_mimo(optimizer: Any) -> bool:
     """Whether ``optimizer`` is megatron's ``MimoOptimizer`` (models/mimo/optimizer.py)."""
+    # MimoOptimizer: megatron/core/models/mimo/optimizer.py (0.19-0.20.dev)
     return hasattr(optimizer, "module_infos") and hasattr(optimizer, "_active_optimizers")
 
 

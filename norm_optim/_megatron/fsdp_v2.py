@@ -18,8 +18,8 @@ param (``unsharded``), which keeps them: :func:`model_param` maps one to the oth
 registry keys everything by the original. Frozen params are in no optimizer: their group's
 ``model_weight`` (the weights the forward pass gathers) holds this rank's slice of them.
 
-So a v2 shard is a :class:`~norm_optim.megatron.optimizers.Holding` that is not replicated,
-whose ``shard_group`` is the mesh's ranks, and :mod:`norm_optim.ownership`'s one rule does the
+So a v2 shard is a :class:`~norm_optim._megatron.holdings.Holding` that is not replicated,
+whose ``shard_group`` is the mesh's ranks, and :mod:`norm_optim._ownership`'s one rule does the
 rest (v2 refuses TP / PP / CP > 1 itself). Shapes v2 may build but this module cannot read
 exactly (a non-``Flat`` placement, non-fp32 main weights) are refused, naming v2.
 """
@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..errors import UnknownParamError, UnsupportedOptimizerError
-from ..vocabulary import Source
-from .optimizers import Holding, leaves
+from .._errors import UnknownParamError, UnsupportedOptimizerError
+from .._vocabulary import Source
+from .holdings import Holding, leaves
 
 # experimental/parameter_group.py (megatron-core main): the weak back-reference from both the
 # sharded and the original param to their FsdpParameterGroup.
@@ -134,6 +134,7 @@ def _main_shard(
             "the optimizer was built?"
         )
     dist_param, leaf = found
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
     local = getattr(dist_param, "_local_tensor", dist_param)
     data = mbuf.local_buffer
     start = local.storage_offset() - data.storage_offset()

@@ -1,0 +1,65 @@
+"""What an optimizer leaf holds for a model param (:class:`Holding`), and the leaves.
+
+Shared by the optimizer readers (:mod:`.optimizers`) and Megatron-FSDP's (:mod:`.fsdp`),
+so that neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .._kernels import Summand
+from .._ownership import RankCoords
+from .._vocabulary import Source
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """What one optimizer leaf holds on this rank for one model param.
+
+    Attributes:
+        param: the model param.
+        tensor: the tensor whose squares this rank would sum: fp32 main param, fp32 main shard,
+            the param itself when it is fp32, a remainder-encoded fp32 master shard, or None when
+            this rank holds nothing of it.
+        source: how ``tensor`` relates to the param (for inspection and error messages).
+        replicated: True if every rank of the (expert) data-parallel group holds the same whole
+            tensor; False if the tensor is a part (or an assignment) that only this rank holds.
+        shard_group: for distributed-optimizer shards, the global ranks of the group the param
+            is sharded over. When it is smaller than the group that replicates the param (several
+            distributed-optimizer instances; or experts at EP=1, which the dense optimizer shards
+            over dense DP while expert-DP replicates them), each such group holds a full set of
+            shards, and only the one holding the replicating group's first rank counts.
+        optimizer: class name of the leaf optimizer that holds it.
+        offset: where ``tensor`` starts in the flattened param (a shard's start; 0 otherwise).
+        replica_coords: for a DTensor (torch FSDP2), this rank's coordinate on each mesh axis
+            whose ``Replicate`` placement copies it; its ``Shard`` axes partition it and need no
+            rule. Empty for other tensors.
+        mesh: for a DTensor, the global ranks of its device mesh (None for other tensors).
+        coords: this rank's coordinates in the groups of the module that holds the param, where
+            they are the module's own (MIMO); None: the model's (the wrapper's) coordinates.
+    """
+
+    param: torch.nn.Parameter
+    tensor: Optional[Summand]
+    source: Source
+    replicated: bool
+    shard_group: Optional[frozenset[int]] = None
+    optimizer: str = ""
+    offset: int = 0
+    replica_coords: tuple[int, ...] = ()
+    mesh: Optional[frozenset[int]] = None
+    coords: Optional[RankCoords] = None
+
+
+def leaves(optimizer: Any) -> Iterator[Any]:
+    """The optimizers that own tensors (a chained optimizer's members, recursively)."""
+    inner = getattr(optimizer, "chained_optimizers", None)
+    if inner is None:
+        yield optimizer
+        return
+    for member in inner:
+        yield from leaves(member)

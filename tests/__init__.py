@@ -1,0 +1,1 @@
+"""norm_optim's test suite (a package: its support code is ``tests.support``)."""

@@ -1,0 +1,1 @@
+"""Support code the tests share: layouts, mocked parallel state, named stand-ins."""
