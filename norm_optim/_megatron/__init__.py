@@ -16,6 +16,9 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   parameter groups' flat buffers, which ``FullyShardedOptimizer`` steps as DTensors.
 - :mod:`.mimo` — MIMO: a ``MimoOptimizer``'s per-module optimizers, each read with its module's
   own process groups (per-holding coordinates).
+- :mod:`.readers` — the entry points over a whole optimizer (its holdings, this rank's
+  coordinates, the reduction group's check), with MIMO dispatched there, above the modules it
+  builds on.
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
 - :mod:`.declarations` — how the model's checkpoint declarations (``sharded_state_dict``) split
@@ -30,10 +33,10 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 from .declarations import Declaration, Declarations, read_declarations
 from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
-from .mimo import mimo_param_coords
 from .holdings import Holding, leaves
-from .optimizers import fingerprint, read_holdings, where
-from .parallel_state import check_reduce_group, rank_coords
+from .mimo import mimo_param_coords
+from .optimizers import fingerprint, where
+from .readers import check_reduce_group, rank_coords, read_holdings
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
 
 __all__ = [

@@ -34,8 +34,8 @@ from .._errors import UnknownParamError, UnsupportedOptimizerError
 from .._vocabulary import Source
 from .holdings import Holding, leaves
 
-# experimental/parameter_group.py (megatron-core main): the weak back-reference from both the
-# sharded and the original param to their FsdpParameterGroup.
+# megatron/core/distributed/fsdp/src/megatron_fsdp/experimental/parameter_group.py (0.20.dev):
+# the weak back-reference from both the sharded and the original param to their group.
 _GROUP_ATTR = "_mfsdp_parameter_group"
 
 

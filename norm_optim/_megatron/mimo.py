@@ -25,6 +25,7 @@ import torch
 from .._comm import Communicator
 from .._errors import ParallelStateError, UnsupportedOptimizerError
 from .._ownership import RankCoords
+from .fsdp import model_param
 from .holdings import Holding
 from .optimizers import read_holdings
 from .parallel_state import coords_from_pg_collection
@@ -51,8 +52,6 @@ def mimo_param_coords(
 ) -> dict[int, RankCoords]:
     """``id(param)`` -> its module's coords, for every param of the ``MimoModel`` chunks this
     rank holds (empty for other models): what frozen params, in no optimizer, are counted by."""
-    from .fsdp import model_param  # it builds on the optimizer readers
-
     coords: dict[int, RankCoords] = {}
     for chunk in chunks or []:
         for name, module in _held_modules(chunk):

@@ -24,7 +24,9 @@ from .._errors import UnsupportedOptimizerError
 from .._kernels import RemainderMaster, Summand
 from .._versions import megatron_core_version_string
 from .._vocabulary import Source
+from .dtensor import local_holding
 from .fsdp import is_megatron_fsdp, read_megatron_fsdp
+from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
 from .holdings import Holding, leaves
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
@@ -44,13 +46,8 @@ class _Context:
 
 def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order; DTensors (torch
-    FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`)."""
-    from .dtensor import local_holding  # they build on this module
-    from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
-    from .mimo import is_mimo, read_mimo
-
-    if is_mimo(optimizer):  # one optimizer per module, each read with its module's groups
-        return list(read_mimo(optimizer, comm))
+    FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`). One optimizer over one
+    set of process groups: a ``MimoOptimizer``'s modules are read one level up (:mod:`.readers`)."""
     if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
         return list(read_megatron_fsdp_v2(optimizer, comm.group_ranks))
     if is_megatron_fsdp(optimizer):

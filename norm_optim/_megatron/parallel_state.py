@@ -16,16 +16,11 @@ from .._errors import ParallelStateError
 from .._ownership import RankCoords
 
 
-def rank_coords(comm: Communicator, pg_collection: Any = None, optimizer: Any = None) -> RankCoords:
+def rank_coords(comm: Communicator, pg_collection: Any = None) -> RankCoords:
     """This rank's :class:`RankCoords`, from ``pg_collection`` when given, else megatron's
-    global parallel state. A MIMO optimizer's modules carry their own (each holding's), which
-    need no global parallel state: the default coordinates then stand for none."""
-    from .mimo import is_mimo
-
+    global parallel state (a MIMO optimizer's are per module: :mod:`.readers`)."""
     if pg_collection is not None:
         return coords_from_pg_collection(pg_collection, comm)
-    if optimizer is not None and is_mimo(optimizer):
-        return RankCoords()
     return coords_from_parallel_state(comm)
 
 
@@ -148,22 +143,24 @@ def _rank_or_zero(comm: Communicator, group: Any) -> int:
 
 
 def check_reduce_group(
-    comm: Communicator, group: object, pg_collection: object = None, optimizer: Any = None
+    comm: Communicator,
+    group: object,
+    pg_collection: object = None,
+    model_ranks: Optional[frozenset[int]] = None,
 ) -> None:
     """Refuse a reduction group that misses ranks holding parts of this rank's model.
 
     Each element is counted on one rank only, so a group without, say, the other TP ranks would
     silently leave their shards out. A local check (no collective): this rank's TP, PP, DP×CP,
-    EP and expert-DP groups (every MIMO module's grid) must all lie inside ``group``.
+    EP and expert-DP groups must all lie inside ``group``; or, without ``pg_collection``, the
+    ``model_ranks`` a caller knows hold the model (every MIMO module's grid: :mod:`.readers`).
     """
-    from .mimo import is_mimo, mimo_ranks
-
     if group is None or not comm.is_distributed():
         return
     held: set[int] = set()
     groups: list[Any] = []
-    if optimizer is not None and is_mimo(optimizer) and pg_collection is None:
-        held = set(mimo_ranks(optimizer))  # every module's grid, active here or not
+    if model_ranks is not None and pg_collection is None:
+        held = set(model_ranks)
     elif pg_collection is not None:
         names = ("tp", "pp", "dp_cp", "ep", "expt_dp", "gtp_remat", "expt_gtp_remat")
         groups = [getattr(pg_collection, name, None) for name in names]
