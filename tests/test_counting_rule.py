@@ -41,6 +41,7 @@ class Case:
     tied_copy: bool = False
     shard_group: Optional[frozenset[int]] = None
     gtp_sharded: bool = False
+    replica_coords: tuple[int, ...] = ()
 
 
 CASES = [
@@ -55,6 +56,13 @@ CASES = [
          None, RankCoords(tp=1, expert_tp=0), expert=True),
     Case("tensor parallelism", "split expert on expert-TP rank 1", None,
          RankCoords(expert_tp=1), expert=True, tp_split=True),
+    # ---- learnable attention sinks: split by their declaration, so every TP rank counts its own
+    Case("learnable attention sinks", "this TP rank's heads' sinks, TP rank 1", None,
+         RankCoords(tp=1), tp_split=True, replicated=True),
+    Case("learnable attention sinks", "the sinks of a DP replica, TP rank 1, DP×CP rank 1",
+         NotCounted.DP_REPLICA, RankCoords(tp=1, dp_cp=1), tp_split=True, replicated=True),
+    Case("learnable attention sinks", "a distributed-optimizer shard of them on TP rank 1", None,
+         RankCoords(tp=1, dp_cp=2), tp_split=True, shard_group=DENSE_DP),
     # ---- tied embeddings: the copy marked shared is never counted, on any rank
     Case("tied embeddings", "the shared copy, on rank 0 of everything", NotCounted.SHARED,
          tied_copy=True),
@@ -124,6 +132,37 @@ CASES = [
          RankCoords(expert_dp=1), expert=True, shard_group=frozenset({0, 2})),
     Case("Megatron-FSDP", "a shard of an unsplit param on TP rank 1", NotCounted.TP_DUPLICATE,
          RankCoords(tp=1), shard_group=DENSE_DP),
+    # ---- Megatron-FSDP v2: the rank whose slice of the group's flat buffer it is
+    Case("Megatron-FSDP v2", "this rank's slice of a parameter group, DP×CP rank 3", None,
+         RankCoords(dp_cp=3), shard_group=DENSE_DP),
+    Case("Megatron-FSDP v2", "this rank's slice of an expert group, expert-DP rank 1", None,
+         RankCoords(dp_cp=3, expert_dp=1, expert_dp_first=1), expert=True,
+         shard_group=frozenset({1, 3})),
+    # ---- torch FSDP2 / DTensor: Shard axes partition, Replicate axes count on coordinate 0
+    Case("torch FSDP2 / any DTensor param", "a Shard-placed local shard (1-D FSDP), rank 3",
+         None, RankCoords(parallel_state=False)),
+    Case("torch FSDP2 / any DTensor param", "HSDP: replicate coordinate 1",
+         NotCounted.MESH_REPLICA, RankCoords(parallel_state=False), replica_coords=(1,)),
+    Case("torch FSDP2 / any DTensor param", "HSDP: replicate coordinate 0", None,
+         RankCoords(parallel_state=False), replica_coords=(0,)),
+    Case("torch FSDP2 / any DTensor param", "two Replicate axes at (0, 1)",
+         NotCounted.MESH_REPLICA, RankCoords(parallel_state=False), replica_coords=(0, 1)),
+    Case("torch FSDP2 / any DTensor param", "Megatron TP on top: unsplit param on TP rank 1",
+         NotCounted.TP_DUPLICATE, RankCoords(tp=1)),
+    Case("torch FSDP2 / any DTensor param", "Megatron TP on top: split param on TP rank 1",
+         None, RankCoords(tp=1), tp_split=True),
+    # ---- MIMO: every row within the module's own groups (the coords are the module's)
+    Case("MIMO", "an encoder param on the encoder's DP rank 1 (global rank 3)",
+         NotCounted.DP_REPLICA, RankCoords(dp_cp=1), replicated=True),
+    Case("MIMO", "an encoder param on the encoder's DP rank 0 (global rank 2)", None,
+         RankCoords(dp_cp=0), replicated=True),
+    Case("MIMO", "an unsplit language-model param on its TP rank 1", NotCounted.TP_DUPLICATE,
+         RankCoords(tp=1)),
+    Case("MIMO", "a language-model shard, distributed optimizer over its DP group", None,
+         RankCoords(dp_cp=1, dp_cp_first=2), shard_group=frozenset({2, 3})),
+    Case("MIMO", "a language-model shard of the instance without its DP group's first rank",
+         NotCounted.OTHER_INSTANCE, RankCoords(dp_cp=1, dp_cp_first=2),
+         shard_group=frozenset({4, 5})),
     # ---- pipeline / expert parallelism: stages and expert ranks hold different params
     Case("pipeline / expert parallelism", "a dense param on any stage", None, replicated=True),
     Case("pipeline / expert parallelism", "an expert on any EP rank", None, expert=True,
@@ -141,6 +180,7 @@ def test_rule(case: Case) -> None:
         tied_copy=case.tied_copy,
         shard_group=case.shard_group,
         gtp_sharded=case.gtp_sharded,
+        replica_coords=case.replica_coords,
     )
     assert reason == case.expected
 
