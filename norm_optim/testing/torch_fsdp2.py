@@ -1,11 +1,11 @@
-"""torch FSDP2 (``fully_shard``) models on CPU gloo ranks: a test-only patch, builders, weights.
+"""torch FSDP2 (``fully_shard``) models on CPU gloo ranks: builders, weights, an oracle.
 
 Two routes a user takes to FSDP2:
 
 - **Megatron's** ``TorchFullyShardedDataParallel`` (what Megatron-LM's ``--use-torch-fsdp2``
   builds) over ``Float16Module(GPTModel)`` or an fp32 GPTModel, with the real
   ``get_megatron_optimizer`` (Float16 / FP32 optimizer; FSDP2 takes no distributed optimizer):
-  :func:`build_torch_fsdp2_model` (it installs :func:`install_torch_fsdp2_cpu_patches` on CPU).
+  :func:`build_torch_fsdp2_model` (it applies the test kit's internal CPU patch for it).
 - **torch-native** ``fully_shard`` over the blocks and the root of a plain torch model
   (:class:`TinyTorchLM`), bf16 compute through ``MixedPrecisionPolicy``, a plain
   ``torch.optim.AdamW``: :func:`build_native_fsdp2` on a 1-D mesh (FSDP), a replicate × shard
