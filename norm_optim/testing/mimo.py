@@ -44,12 +44,15 @@ _GROUPS = {
 
 
 def has_mimo() -> bool:
-    """Whether the installed megatron-core has MIMO's optimizer (``MimoOptimizer``, 0.19+)."""
+    """Whether the installed megatron-core has what this kit builds MIMO models with: MIMO's
+    optimizer (``MimoOptimizer``) and grid views (``HyperCommGrid.register_view``), both 0.19+
+    (0.17 / 0.18 ship a ``MimoOptimizer`` but no grid views)."""
     try:
+        from megatron.core.hyper_comm_grid import HyperCommGrid
         from megatron.core.models.mimo import optimizer  # noqa: F401
     except ImportError:
         return False
-    return True
+    return hasattr(HyperCommGrid, "register_view")
 
 
 @dataclasses.dataclass(frozen=True)
