@@ -53,7 +53,7 @@ from norm_optim.testing.models import build_model, build_optimizer, train_step, 
 from norm_optim.testing.loop_patches import torch_dist_save_patches
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
 from norm_optim.versions import megatron_at_least
-from norm_optim.testing.patching import PatchSet
+from norm_optim.patching import PatchSet
 from layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 1, 2

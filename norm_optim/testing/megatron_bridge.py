@@ -48,7 +48,7 @@ from norm_optim.testing.loop_patches import (
     one_cuda_device_patches,
 )
 from norm_optim.testing.megatron_fsdp import install_megatron_fsdp_cpu_patches
-from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.patching import Patch, PatchSet
 from norm_optim.testing.torch_fsdp2 import install_torch_fsdp2_cpu_patches
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from norm_optim.testing.loop_patches import cpu_rng_state_patches
-from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.patching import Patch, PatchSet
 
 __all__ = [
     "build_fsdp_model",

@@ -21,7 +21,7 @@ Megatron-LM's ``pretrain_gpt.py`` is not in the wheel; :func:`pretrain_gpt` does
 
 **Test-only patches.** On top of the CPU shim (:mod:`norm_optim.testing.shim`, installed by
 ``run_ranks``), Megatron-LM's loop needs the patches below; each ``*_patches()`` function
-returns the reversible attribute patches (:class:`~norm_optim.testing.patching.Patch`) for one megatron code path and
+returns the reversible attribute patches (:class:`~norm_optim.patching.Patch`) for one megatron code path and
 says which. :func:`cpu_loop_patches` are those any training loop on megatron-core needs (also
 Megatron-Bridge's: CUDA device count, dataset helper compilation, CUDA RNG state in checkpoints,
 ``torch_dist`` saves in a forked rank); :func:`megatron_lm_patches` those of
@@ -55,7 +55,7 @@ from norm_optim.testing.loop_patches import (
     one_cuda_device_patches,
     torch_dist_save_patches,
 )
-from norm_optim.testing.patching import Patch, patches_applied
+from norm_optim.patching import Patch, patches_applied
 
 __all__ = [
     "CPU_FLAGS",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.patching import Patch, PatchSet
 
 __all__ = [
     "ENCODER",

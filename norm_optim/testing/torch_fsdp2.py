@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import Replicate
 
-from norm_optim.testing.patching import Patch, PatchSet
+from norm_optim.patching import Patch, PatchSet
 
 __all__ = [
     "TinyTorchLM",
