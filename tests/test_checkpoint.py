@@ -53,7 +53,7 @@ from norm_optim.testing.models import build_model, build_optimizer, train_step, 
 from norm_optim.testing._internal.loop_patches import torch_dist_save_patches
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
 from norm_optim._versions import megatron_at_least
-from norm_optim.testing._internal.patching import PatchSet
+from norm_optim._patching import PatchSet
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 SEED_A, SEED_B = 1, 2

@@ -103,7 +103,7 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         oracle_norm,
         oracle_sum_of_squares,
     )
-    from norm_optim.testing._internal.patching import Patch, patches_applied
+    from norm_optim._patching import Patch, patches_applied
 
     seen: dict[str, Any] = {"logged": [], "all_reduces": [], "others": [], "reference": [],
                             "values": []}

@@ -20,7 +20,7 @@ from norm_optim._name_exchange import digests, exchange_names, name_parts, speak
 from norm_optim.testing import RecordingCommunicator, init_parallel, run_ranks
 from norm_optim.testing.comm import Traffic
 from norm_optim.testing.models import build_model, build_optimizer
-from norm_optim.testing._internal.patching import Patch, patches_applied
+from norm_optim._patching import Patch, patches_applied
 
 from benchmarks.param_norm.names import all_gather_object_traffic
 from tests.support.layouts import MOE, SMALL, SMALL_MOE, Layout

@@ -1,12 +1,21 @@
-"""What the loop integrations share: the deferred params-norm marker, the logged value and the
-scalars written next to the loops' own ``params-norm``."""
+"""What the loop integrations share: the skeleton of an installed integration
+(:class:`LoopIntegration`: the patched names, ``uninstall``, the deferred ``calc_params_l2_norm``
+and the ``training_log`` that reads the norm only where it is logged), the logged value and the
+scalars written next to the loops' own ``params-norm``. Each loop's module holds only what
+differs: which names it patches, how its optimizer is built and wrapped, and when its
+``training_log`` prints or writes the norm."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+import functools
+import inspect
+from types import ModuleType
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .._errors import NormOptimError
 from .._norm import NamedNorms, ParamNorms
+from .._patching import Patch, PatchSet
+from .._wrapper import NormAwareOptimizer
 
 
 class LoggedParamsNorm(float):
@@ -153,3 +162,118 @@ def is_loop_model(model: Any, chunks: Optional[list[Any]]) -> bool:
     return chunks is not None and len(given) == len(chunks) and all(
         a is b for a, b in zip(given, chunks)
     )
+
+
+# Attribute of each installed replacement: the integration that installed it.
+_OWNER_ATTR = "__norm_optim_integration__"
+
+
+def installed_integration(module: ModuleType, name: str) -> Optional["LoopIntegration"]:
+    """The integration whose replacement ``module.name`` is now, or None."""
+    return getattr(getattr(module, name, None), _OWNER_ATTR, None)
+
+
+def missing_parameters(label: str, function: Callable[..., Any], names: Sequence[str]) -> list[str]:
+    """``label(name=...)`` for each of ``names`` that ``function`` does not take."""
+    params = inspect.signature(function).parameters
+    return [f"{label}({name}=...)" for name in names if name not in params]
+
+
+class LoopIntegration:
+    """An installed loop integration: the live wrapper, and :meth:`uninstall` (also as a context
+    manager) to restore the loop's functions.
+
+    A subclass names what it patches (``(module, name)`` pairs; each name has a method
+    ``_<name>`` here or in the subclass), builds and wraps the optimizer in its setup
+    replacement, and says when its ``training_log`` reads the norm (:meth:`_reads_params_norm`)
+    and where it writes scalars (:meth:`_scalar_writers`).
+
+    Attributes:
+        optimizer: the :class:`~norm_optim.NormAwareOptimizer` of the latest setup (``None``
+            before it, or when the loop builds none).
+        model: the model chunks it was built with.
+    """
+
+    #: The dotted name of the loop's ``calc_params_l2_norm`` (for the deferred value's errors).
+    calc_params_l2_norm_path: str = "calc_params_l2_norm"
+    #: The loop's setup function that builds the optimizer (for error messages).
+    setup_name: str = "setup"
+
+    def __init__(self, targets: Sequence[tuple[ModuleType, str]], training_log: Callable[..., Any],
+                 log: ParamsNormLog, wrapper_options: dict[str, Any]) -> None:
+        self.optimizer: Optional[NormAwareOptimizer] = None
+        self.model: Optional[list[Any]] = None
+        self._log = log
+        self._wrapper_options = wrapper_options
+        self._log_signature = inspect.signature(training_log)
+        self._originals = {name: getattr(module, name) for module, name in targets}
+        self._patches = PatchSet.apply([
+            Patch(module, name, self._replacement(name)) for module, name in targets
+        ])
+
+    def _replacement(self, name: str) -> Callable[..., Any]:
+        """``self._<name>`` under the original's name, signature and docstring, marked as ours."""
+        method = getattr(self, f"_{name}")
+
+        @functools.wraps(self._originals[name])
+        def replacement(*args: Any, **kwargs: Any) -> Any:
+            return method(*args, **kwargs)
+
+        setattr(replacement, _OWNER_ATTR, self)
+        return replacement
+
+    @property
+    def installed(self) -> bool:
+        return self._patches.installed
+
+    def uninstall(self) -> None:
+        """Restore the loop's functions. Safe to call twice. The optimizer already built stays
+        wrapped (it behaves as the optimizer it wraps)."""
+        self._patches.uninstall()
+
+    def __enter__(self) -> "LoopIntegration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # ------------------------------------------------------------ shared replacements
+
+    def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.optimizer is None:  # no optimizer to read: the loop's own function
+            return self._originals["calc_params_l2_norm"](model, *args, **kwargs)
+        if not is_loop_model(model, self.model):
+            raise NormOptimError(
+                f"calc_params_l2_norm was called with a model that {self.setup_name} did not "
+                "build the optimizer for; norm_optim's loop integration serves the training "
+                "loop's model only"
+            )
+        return DeferredParamsNorm(self.calc_params_l2_norm_path)
+
+    def _training_log(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._log_signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        norms: Optional[ParamNorms] = None
+        if isinstance(bound.arguments.get("params_norm"), DeferredParamsNorm):
+            assert self.optimizer is not None  # the marker is only returned with an optimizer
+            if self._reads_params_norm(bound.arguments):
+                norms = self._log.read(self.optimizer)  # every rank: one all-reduce
+            bound.arguments["params_norm"] = self._log.value(norms)
+        result = self._originals["training_log"](*bound.args, **bound.kwargs)
+        if norms is not None and self._log.writes_scalars:
+            writers = self._scalar_writers(bound.arguments)
+            if writers is not None:
+                self._log.write(norms, *writers)
+        return result
+
+    # ------------------------------------------------------------ what each loop says
+
+    def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
+        """Whether this ``training_log`` call prints or writes ``params_norm``: the same answer
+        on every rank (the norm is a collective, the print and the writers on one rank)."""
+        raise NotImplementedError
+
+    def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
+        """(iteration, TensorBoard writer, W&B writer) where this call writes the loop's own
+        ``params-norm`` scalar, else None (either writer may be None)."""
+        raise NotImplementedError

@@ -47,19 +47,19 @@ import dataclasses
 import functools
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Mapping, Optional
 
 from .._errors import NormOptimError
-from .._norm import ParamNorms
 from .._versions import distribution_version
+from .._wrapper import NormAwareOptimizer
 from ._common import (
-    DeferredParamsNorm,
     LoggedParamsNorm,
+    LoopIntegration,
     ParamsNormLog,
     ParamsNormWithBreakdown,
-    is_loop_model,
+    installed_integration,
+    missing_parameters,
 )
-from .._wrapper import NormAwareOptimizer
 
 __all__ = [
     "MegatronBridgeIntegration",
@@ -108,9 +108,8 @@ def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
     missing += [f"train.{name}" for name in ("calc_params_l2_norm", "training_log")
                 if not callable(getattr(train, name, None))]
     if not missing:
-        params = inspect.signature(train.training_log).parameters
-        missing = [f"train.training_log({name}=...)" for name in _TRAINING_LOG_PARAMS
-                   if name not in params]
+        missing = missing_parameters("train.training_log", train.training_log,
+                                     _TRAINING_LOG_PARAMS)
     if missing:
         raise MegatronBridgeVersionError(
             f"megatron.bridge.training of {_versions()} has no {', '.join(missing)}; norm_optim's "
@@ -234,63 +233,27 @@ def log_reads_params_norm(logger_config: Any, iteration: int) -> bool:
     return writes and iteration % logger_config.tensorboard_log_interval == 0
 
 
-class MegatronBridgeIntegration:
-    """What :func:`install` returns: the live wrapper, and :meth:`uninstall` (also as a context
-    manager) to restore Bridge's functions.
+class MegatronBridgeIntegration(LoopIntegration):
+    """What :func:`install` returns: the live wrapper (``.optimizer``, ``.model``), and
+    :meth:`uninstall` (also as a context manager) to restore Bridge's functions."""
 
-    Attributes:
-        optimizer: the :class:`~norm_optim.NormAwareOptimizer` of the latest
-            ``setup_optimizer`` (``None`` before it).
-        model: the model chunks it was built with.
-    """
+    calc_params_l2_norm_path = "megatron.bridge.training.train.calc_params_l2_norm"
+    setup_name = "setup_optimizer"
 
     def __init__(self, setup: ModuleType, train: ModuleType, log: ParamsNormLog,
                  wrapper_options: dict[str, Any]) -> None:
-        self.optimizer: Optional[NormAwareOptimizer] = None
-        self.model: Optional[list[Any]] = None
-        self._log = log
-        self._wrapper_options = wrapper_options
-        self._log_signature = inspect.signature(train.training_log)
-        self._originals: list[tuple[ModuleType, str, Callable[..., Any]]] = [
-            (setup, "setup_optimizer", setup.setup_optimizer),
-            (train, "calc_params_l2_norm", train.calc_params_l2_norm),
-            (train, "training_log", train.training_log),
-        ]
-
-    def _original(self, name: str) -> Callable[..., Any]:
-        return next(function for _, n, function in self._originals if n == name)
-
-    def _apply(self) -> None:
-        for module, name, _ in self._originals:
-            setattr(module, name, getattr(self, f"_{name}"))
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._originals)
-
-    def uninstall(self) -> None:
-        """Restore Bridge's functions. Safe to call twice. The optimizer already built stays
-        wrapped (it behaves as the optimizer it wraps)."""
-        while self._originals:
-            module, name, function = self._originals.pop()
-            setattr(module, name, function)
-
-    def __enter__(self) -> "MegatronBridgeIntegration":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-    # ------------------------------------------------------------ the three replacements
+        super().__init__(
+            [(setup, "setup_optimizer"), (train, "calc_params_l2_norm"), (train, "training_log")],
+            train.training_log, log, wrapper_options,
+        )
 
     def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(optimizer_config, "provide"):
             optimizer_config = norm_aware_optimizer_config(optimizer_config,
                                                            **self._wrapper_options)
-        optimizer, scheduler = self._original("setup_optimizer")(optimizer_config, *args,
-                                                                 **kwargs)
-        bound = inspect.signature(self._original("setup_optimizer")).bind(
-            optimizer_config, *args, **kwargs)
+        original = self._originals["setup_optimizer"]
+        optimizer, scheduler = original(optimizer_config, *args, **kwargs)
+        bound = inspect.signature(original).bind(optimizer_config, *args, **kwargs)
         model = bound.arguments["model"]
         chunks = model if isinstance(model, list) else [model]
         # A config with its own ``provide`` may return an unwrapped optimizer: wrap it here
@@ -300,37 +263,17 @@ class MegatronBridgeIntegration:
         self.optimizer, self.model = optimizer, chunks
         return optimizer, scheduler
 
-    def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.optimizer is None:  # no optimizer to read: Bridge's own function
-            return self._original("calc_params_l2_norm")(model, *args, **kwargs)
-        if not is_loop_model(model, self.model):
-            raise NormOptimError(
-                "calc_params_l2_norm was called with a model that setup_optimizer was not "
-                "given; norm_optim's Megatron-Bridge integration serves the training loop's "
-                "model only"
-            )
-        return DeferredParamsNorm("megatron.bridge.training.train.calc_params_l2_norm")
+    def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
+        return log_reads_params_norm(arguments["config"].logger,
+                                     arguments["global_state"].train_state.step)
 
-    def _training_log(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self._log_signature.bind(*args, **kwargs)
-        norms: Optional[ParamNorms] = None
-        if isinstance(bound.arguments.get("params_norm"), DeferredParamsNorm):
-            assert self.optimizer is not None  # the marker is only returned with an optimizer
-            config, state = bound.arguments["config"], bound.arguments["global_state"]
-            if log_reads_params_norm(config.logger, state.train_state.step):
-                norms = self._log.read(self.optimizer)  # every rank: one all-reduce
-            bound.arguments["params_norm"] = self._log.value(norms)
-        result = self._original("training_log")(*bound.args, **bound.kwargs)
-        if norms is not None and self._log.writes_scalars:
-            self._write_scalars(bound.arguments["config"], bound.arguments["global_state"],
-                                norms)
-        return result
-
-    def _write_scalars(self, config: Any, state: Any, norms: ParamNorms) -> None:
-        """Where and when ``training_log`` writes Bridge's ``params-norm``."""
+    def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
+        # Where and when training_log writes Bridge's params-norm.
+        state = arguments["global_state"]
         iteration = state.train_state.step
-        if iteration % config.logger.tensorboard_log_interval == 0:
-            self._log.write(norms, iteration, state.tensorboard_logger, state.wandb_logger)
+        if iteration % arguments["config"].logger.tensorboard_log_interval != 0:
+            return None
+        return iteration, state.tensorboard_logger, state.wandb_logger
 
 
 def install(*, breakdown: bool = False, per_param: bool = False,
@@ -364,14 +307,11 @@ def install(*, breakdown: bool = False, per_param: bool = False,
         RuntimeError: already installed (uninstall the first one).
     """
     setup, train = _bridge_modules()
-    current = getattr(getattr(train, "calc_params_l2_norm", None), "__self__", None)
-    if isinstance(current, MegatronBridgeIntegration):
+    if installed_integration(train, "calc_params_l2_norm") is not None:
         raise RuntimeError(
             "norm_optim's Megatron-Bridge integration is already installed; call uninstall() "
             "on the handle install() returned before installing again"
         )
     _check_hooks(setup, train)
-    integration = MegatronBridgeIntegration(setup, train, ParamsNormLog(breakdown, per_param),
-                                            wrapper_options)
-    integration._apply()
-    return integration
+    return MegatronBridgeIntegration(setup, train, ParamsNormLog(breakdown, per_param),
+                                     wrapper_options)

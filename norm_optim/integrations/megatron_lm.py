@@ -27,27 +27,23 @@ Usage, in a ``pretrain_gpt.py``-style script::
 
 from __future__ import annotations
 
-import functools
-import inspect
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Mapping, Optional
 
 from .._errors import NormOptimError
-from .._norm import ParamNorms
 from .._versions import megatron_core_version_string
+from .._wrapper import NormAwareOptimizer
 from ._common import (
-    DeferredParamsNorm,
-    LoggedParamsNorm,
+    LoopIntegration,
     ParamsNormLog,
     ParamsNormWithBreakdown,
-    is_loop_model,
+    installed_integration,
+    missing_parameters,
 )
-from .._wrapper import NormAwareOptimizer
 
 __all__ = [
     "MegatronLMIntegration",
     "MegatronLMVersionError",
-    "LoggedParamsNorm",
     "ParamsNormWithBreakdown",
     "install",
     "log_reads_params_norm",
@@ -77,9 +73,7 @@ def _training_module() -> ModuleType:
         ) from exc
     missing = [name for name in _PATCHED if not callable(getattr(training, name, None))]
     if not missing:
-        params = inspect.signature(training.training_log).parameters
-        missing = [f"training_log({name}=...)" for name in _TRAINING_LOG_PARAMS
-                   if name not in params]
+        missing = missing_parameters("training_log", training.training_log, _TRAINING_LOG_PARAMS)
     if missing:
         raise MegatronLMVersionError(
             f"megatron.training.training of {found} has no {', '.join(missing)}; "
@@ -112,75 +106,17 @@ def log_reads_params_norm(args: Any, iteration: int, is_first_iteration: bool) -
     )
 
 
-# Attribute of each installed replacement: the integration that installed it.
-_OWNER_ATTR = "__norm_optim_integration__"
+class MegatronLMIntegration(LoopIntegration):
+    """What :func:`install` returns: the live wrapper (``.optimizer``, ``.model``), and
+    :meth:`uninstall` (also as a context manager) to restore Megatron-LM's functions."""
 
+    calc_params_l2_norm_path = "megatron.training.training.calc_params_l2_norm"
+    setup_name = "setup_model_and_optimizer"
 
-def _replacement(
-    original: Callable[..., Any], method: Callable[..., Any], owner: "MegatronLMIntegration"
-) -> Callable[..., Any]:
-    """``method`` under the original's name, signature (``__wrapped__``) and docstring."""
-
-    @functools.wraps(original)
-    def replacement(*args: Any, **kwargs: Any) -> Any:
-        return method(*args, **kwargs)
-
-    setattr(replacement, _OWNER_ATTR, owner)
-    return replacement
-
-
-class MegatronLMIntegration:
-    """What :func:`install` returns: the live wrapper, and :meth:`uninstall` (also as a context
-    manager) to restore Megatron-LM's functions.
-
-    Attributes:
-        optimizer: the :class:`~norm_optim.NormAwareOptimizer` of the latest
-            ``setup_model_and_optimizer`` (``None`` before it, or with ``--skip-train``).
-        model: the model chunks it was built with.
-    """
-
-    def __init__(self, training: ModuleType, log: ParamsNormLog, wrapper_options: dict) -> None:
-        self.optimizer: Optional[NormAwareOptimizer] = None
-        self.model: Optional[list[Any]] = None
-        self._training = training
-        self._log = log
-        self._wrapper_options = wrapper_options
-        self._originals: dict[str, Callable[..., Any]] = {
-            name: getattr(training, name) for name in _PATCHED
-        }
-        self._log_signature = inspect.signature(training.training_log)
-        self._installed = False
-
-    def _apply(self) -> None:
-        replacements = {
-            "setup_model_and_optimizer": self._setup_model_and_optimizer,
-            "calc_params_l2_norm": self._calc_params_l2_norm,
-            "training_log": self._training_log,
-        }
-        for name in _PATCHED:
-            setattr(self._training, name,
-                    _replacement(self._originals[name], replacements[name], self))
-        self._installed = True
-
-    @property
-    def installed(self) -> bool:
-        return self._installed
-
-    def uninstall(self) -> None:
-        """Restore Megatron-LM's functions. Safe to call twice. The optimizer already built
-        stays wrapped (it behaves as the optimizer it wraps)."""
-        if self._installed:
-            for name in reversed(_PATCHED):
-                setattr(self._training, name, self._originals[name])
-            self._installed = False
-
-    def __enter__(self) -> "MegatronLMIntegration":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-    # ------------------------------------------------------------ the three replacements
+    def __init__(self, training: ModuleType, log: ParamsNormLog,
+                 wrapper_options: dict[str, Any]) -> None:
+        super().__init__([(training, name) for name in _PATCHED], training.training_log, log,
+                         wrapper_options)
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         model, optimizer, scheduler = self._originals["setup_model_and_optimizer"](*args, **kwargs)
@@ -189,41 +125,17 @@ class MegatronLMIntegration:
         self.optimizer, self.model = optimizer, model
         return model, optimizer, scheduler
 
-    def _calc_params_l2_norm(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.optimizer is None:  # no optimizer to read: Megatron's own function
-            return self._originals["calc_params_l2_norm"](model, *args, **kwargs)
-        if not is_loop_model(model, self.model):
-            raise NormOptimError(
-                "calc_params_l2_norm was called with a model that setup_model_and_optimizer "
-                "did not return; norm_optim's Megatron-LM integration serves the training "
-                "loop's model only"
-            )
-        return DeferredParamsNorm("megatron.training.training.calc_params_l2_norm")
+    def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
+        return log_reads_params_norm(_global_vars().get_args(), arguments["iteration"],
+                                     bool(arguments.get("is_first_iteration", False)))
 
-    def _training_log(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self._log_signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        norms: Optional[ParamNorms] = None
-        if isinstance(bound.arguments["params_norm"], DeferredParamsNorm):
-            assert self.optimizer is not None  # the marker is only returned with an optimizer
-            iteration = bound.arguments["iteration"]
-            first = bool(bound.arguments.get("is_first_iteration", False))
-            if log_reads_params_norm(_global_vars().get_args(), iteration, first):
-                norms = self._log.read(self.optimizer)  # every rank: one all-reduce
-            bound.arguments["params_norm"] = self._log.value(norms)
-        result = self._originals["training_log"](*bound.args, **bound.kwargs)
-        if norms is not None and self._log.writes_scalars:
-            self._write_scalars(bound.arguments["iteration"], norms)
-        return result
-
-    def _write_scalars(self, iteration: int, norms: ParamNorms) -> None:
-        """Where and when ``training_log`` writes Megatron's ``params-norm`` (the last rank
-        has the writers)."""
-        global_vars = _global_vars()
+    def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
+        # Where and when training_log writes Megatron's params-norm (the last rank has them).
+        global_vars, iteration = _global_vars(), arguments["iteration"]
         writer = global_vars.get_tensorboard_writer()
         if writer is None or iteration % global_vars.get_args().tensorboard_log_interval != 0:
-            return
-        self._log.write(norms, iteration, writer, global_vars.get_wandb_writer())
+            return None
+        return iteration, writer, global_vars.get_wandb_writer()
 
 
 def install(*, breakdown: bool = False, per_param: bool = False,
@@ -257,12 +169,9 @@ def install(*, breakdown: bool = False, per_param: bool = False,
         RuntimeError: already installed (uninstall the first one).
     """
     training = _training_module()
-    if any(getattr(getattr(training, name), _OWNER_ATTR, None) is not None for name in _PATCHED):
+    if any(installed_integration(training, name) is not None for name in _PATCHED):
         raise RuntimeError(
             "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
             "handle install() returned before installing again"
         )
-    integration = MegatronLMIntegration(training, ParamsNormLog(breakdown, per_param),
-                                        wrapper_options)
-    integration._apply()
-    return integration
+    return MegatronLMIntegration(training, ParamsNormLog(breakdown, per_param), wrapper_options)

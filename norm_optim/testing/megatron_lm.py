@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
-from norm_optim.testing._internal.patching import Patch
+from norm_optim._patching import Patch
 from norm_optim.testing._internal.megatron_lm_patches import megatron_lm_on_cpu
 
 __all__ = [

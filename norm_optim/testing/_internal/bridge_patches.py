@@ -26,7 +26,7 @@ from norm_optim.testing._internal.loop_patches import (
     one_cuda_device_patches,
 )
 from norm_optim.testing._internal.megatron_fsdp_patches import install_megatron_fsdp_cpu_patches
-from norm_optim.testing._internal.patching import Patch, PatchSet
+from norm_optim._patching import Patch, PatchSet
 
 
 # The module that imports Transformer Engine unconditionally (``import transformer_engine.pytorch

@@ -2,7 +2,7 @@
 
 Megatron-LM's loop (``megatron.training``) and Megatron-Bridge's (``megatron.bridge.training``)
 make the same CUDA assumptions in the same places; each function returns the reversible
-:class:`~norm_optim.testing._internal.patching.Patch` list for one of them and names the code it exists
+:class:`~norm_optim._patching.Patch` list for one of them and names the code it exists
 for. The loop-specific ones (and the module each loop imported a function into) live in
 :mod:`norm_optim.testing.megatron_lm` and :mod:`norm_optim.testing.megatron_bridge`. On top of
 the CPU shim (:mod:`norm_optim.testing._internal.shim`), which ``run_ranks`` installs.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from norm_optim.testing._internal.patching import Patch
+from norm_optim._patching import Patch
 
 __all__ = [
     "allow_no_cuda_patches",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from norm_optim.testing._internal.loop_patches import cpu_rng_state_patches
-from norm_optim.testing._internal.patching import Patch, PatchSet
+from norm_optim._patching import Patch, PatchSet
 
 
 _HANDLE_ATTR = "_norm_optim_fsdp_patches"

@@ -20,7 +20,7 @@ from norm_optim.testing._internal.loop_patches import (
     one_cuda_device_patches,
     torch_dist_save_patches,
 )
-from norm_optim.testing._internal.patching import Patch, patches_applied
+from norm_optim._patching import Patch, patches_applied
 
 
 def cpu_loop_patches() -> list[Patch]:

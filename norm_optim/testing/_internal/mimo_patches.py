@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from norm_optim.testing._internal.patching import Patch, PatchSet
+from norm_optim._patching import Patch, PatchSet
 
 
 class _GlooSubgroups:

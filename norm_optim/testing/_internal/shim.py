@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from norm_optim.testing._internal.patching import Patch, PatchSet
+from norm_optim._patching import Patch, PatchSet
 
 CpuShim = PatchSet
-"""Handle of an installed shim (a :class:`~norm_optim.testing._internal.patching.PatchSet`)."""
+"""Handle of an installed shim (a :class:`~norm_optim._patching.PatchSet`)."""
 
 __all__ = [
     "CpuShim",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 
-from norm_optim.testing._internal.patching import Patch, PatchSet
+from norm_optim._patching import Patch, PatchSet
 
 
 _HANDLE_ATTR = "_norm_optim_torch_fsdp2_patches"

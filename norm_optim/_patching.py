@@ -1,7 +1,9 @@
-"""Reversible attribute patches: what every test-only shim in :mod:`norm_optim.testing` is made of.
+"""Reversible attribute patches: the one patching mechanism of norm_optim.
 
-A :class:`Patch` replaces one attribute and can put it back; a :class:`PatchSet` applies a list
-of them and restores them in reverse order (``uninstall()``, or ``with``).
+The loop integrations (:mod:`norm_optim.integrations`) replace functions of Megatron-LM's and
+Megatron-Bridge's loops with it, and every test-only shim of :mod:`norm_optim.testing` is made
+of it. A :class:`Patch` replaces one attribute and can put it back; a :class:`PatchSet` applies
+a list of them and restores them in reverse order (``uninstall()``, or ``with``).
 """
 
 from __future__ import annotations
