@@ -30,15 +30,30 @@ def main() -> None:
     from norm_optim.integrations import megatron_bridge
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = tiny_config(world_size=2, ep=2, num_experts=4, num_layers=args.layers,
-                             train_iters=args.iterations, lr=args.lr, log_interval=10,
-                             tensorboard_log_interval=1, tensorboard_dir=f"{tmp}/tb")
-        run_pretrain(config, 2, before=lambda: megatron_bridge.install(per_param=True),
-                     timeout=1800)
+        config = tiny_config(
+            world_size=2,
+            ep=2,
+            num_experts=4,
+            num_layers=args.layers,
+            train_iters=args.iterations,
+            lr=args.lr,
+            log_interval=10,
+            tensorboard_log_interval=1,
+            tensorboard_dir=f"{tmp}/tb",
+        )
+        run_pretrain(
+            config, 2, before=lambda: megatron_bridge.install(per_param=True), timeout=1800
+        )
         data = plot.load_norms(f"{tmp}/tb")
-        plot.plot_norms(data, args.out, size=(1000, 750), title=(
-            f"Megatron-Bridge pretrain(), tiny MoE GPT ({args.layers} layers, 4 experts, EP2), "
-            f"lr {args.lr:g}, {args.iterations} iterations"))
+        plot.plot_norms(
+            data,
+            args.out,
+            size=(1000, 750),
+            title=(
+                f"Megatron-Bridge pretrain(), tiny MoE GPT ({args.layers} layers, 4 experts, EP2), "
+                f"lr {args.lr:g}, {args.iterations} iterations"
+            ),
+        )
     print(f"wrote {args.out}")
 
 

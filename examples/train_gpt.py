@@ -50,7 +50,9 @@ from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimize
 # Warnings megatron-core 0.16.1 itself triggers on every run of this script (its own defaults,
 # its torch fallbacks, its use of a deprecated torch collective); not about anything you can set.
 _KNOWN_MEGATRON_WARNINGS = (
-    r"Apex is not installed", r"full scope is deprecated", r"CUDA_DEVICE_MAX_CONNECTIONS",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"CUDA_DEVICE_MAX_CONNECTIONS",
     r"`torch\.distributed\.\w+` is deprecated",
 )
 
@@ -59,26 +61,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags; the layout ones also answer to Megatron-LM's long names."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--moe", dest="moe", action="store_true", default=True,
-                       help="mixture of experts (default): logs the dense/expert norm split")
+    model.add_argument(
+        "--moe",
+        dest="moe",
+        action="store_true",
+        default=True,
+        help="mixture of experts (default): logs the dense/expert norm split",
+    )
     model.add_argument("--dense", dest="moe", action="store_false", help="a dense GPT")
-    for name, default in [("num-experts", 4), ("num-layers", 2), ("hidden-size", 64),
-                          ("num-attention-heads", 4), ("seq-length", 32), ("vocab-size", 128)]:
+    for name, default in [
+        ("num-experts", 4),
+        ("num-layers", 2),
+        ("hidden-size", 64),
+        ("num-attention-heads", 4),
+        ("seq-length", 32),
+        ("vocab-size", 128),
+    ]:
         p.add_argument(f"--{name}", type=int, default=default)
-    for short, long, default in [("tp", "tensor-model-parallel-size", 2),
-                                 ("pp", "pipeline-model-parallel-size", 1),
-                                 ("ep", "expert-model-parallel-size", 2),
-                                 ("cp", "context-parallel-size", 1)]:
+    for short, long, default in [
+        ("tp", "tensor-model-parallel-size", 2),
+        ("pp", "pipeline-model-parallel-size", 1),
+        ("ep", "expert-model-parallel-size", 2),
+        ("cp", "context-parallel-size", 1),
+    ]:
         p.add_argument(f"--{short}", f"--{long}", dest=short, type=int, default=default)
-    p.add_argument("--vpp", "--num-virtual-stages-per-pipeline-rank", dest="vpp",
-                   type=int, default=None, help="virtual pipeline stages per PP rank")
-    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=None,
-                   help="default: --tp")
-    p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction,
-                   default=True)
-    p.add_argument("--megatron-fsdp", "--use-megatron-fsdp", dest="megatron_fsdp",
-                   action="store_true", help="Megatron-FSDP (FullyShardedDataParallel, "
-                   "optim_grads_params) instead of DDP; no pipeline parallelism")
+    p.add_argument(
+        "--vpp",
+        "--num-virtual-stages-per-pipeline-rank",
+        dest="vpp",
+        type=int,
+        default=None,
+        help="virtual pipeline stages per PP rank",
+    )
+    p.add_argument(
+        "--etp",
+        "--expert-tensor-parallel-size",
+        dest="etp",
+        type=int,
+        default=None,
+        help="default: --tp",
+    )
+    p.add_argument(
+        "--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=True
+    )
+    p.add_argument(
+        "--megatron-fsdp",
+        "--use-megatron-fsdp",
+        dest="megatron_fsdp",
+        action="store_true",
+        help="Megatron-FSDP (FullyShardedDataParallel, "
+        "optim_grads_params) instead of DDP; no pipeline parallelism",
+    )
     p.add_argument("--iterations", "--train-iters", dest="iterations", type=int, default=100)
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -87,12 +120,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup-iters", type=int, default=None, help="default: 10%% of the run")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--init", choices=["megatron", "deterministic"], default="megatron",
-                   help="'deterministic' gives every weight a value that depends only on its "
-                        "logical identity, so the iteration-0 norm is the same on every layout")
+    p.add_argument(
+        "--init",
+        choices=["megatron", "deterministic"],
+        default="megatron",
+        help="'deterministic' gives every weight a value that depends only on its "
+        "logical identity, so the iteration-0 norm is the same on every layout",
+    )
     p.add_argument("--tensorboard-dir", default=None)
-    p.add_argument("--nproc", type=int, default=4,
-                   help="CPU ranks to start when not launched by torchrun")
+    p.add_argument(
+        "--nproc", type=int, default=4, help="CPU ranks to start when not launched by torchrun"
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds, for --nproc runs")
     args = p.parse_args(argv)
     if args.lr_warmup_iters is None:
@@ -109,14 +147,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_config(args: argparse.Namespace) -> TinyGPTConfig:
     """The logical model (the layout comes from the parallel state)."""
     return TinyGPTConfig(
-        hidden_size=args.hidden_size, num_layers=args.num_layers, vocab_size=args.vocab_size,
-        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
         num_experts=args.num_experts if args.moe else None,
     )
 
 
-def synthetic_batches(args: argparse.Namespace, device: torch.device,
-                      first_sample: int) -> Iterator[torch.Tensor]:
+def synthetic_batches(
+    args: argparse.Namespace, device: torch.device, first_sample: int
+) -> Iterator[torch.Tensor]:
     """Micro-batches of a noisy bigram language: the next token is ``perm[token]`` 90% of the
     time. Sample ``i`` depends only on ``(seed, i)``, so every rank that needs a batch (each
     TP rank, the first and last pipeline stage) draws the same one without a broadcast."""
@@ -203,8 +245,11 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[list[torch.nn
         if args.init == "deterministic":  # into its weight shards, fp32 main ones included
             fill_fsdp_deterministic_(chunks, args.seed)
     else:
-        chunks = build_model(model_config(args), seed=args.seed,
-                             use_distributed_optimizer=args.use_distributed_optimizer)
+        chunks = build_model(
+            model_config(args),
+            seed=args.seed,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
         if device.type == "cuda":  # the builder initializes on CPU; DDP's buffers are on the GPU
             chunks = [chunk.cuda() for chunk in chunks]
         if args.init == "deterministic":
@@ -212,19 +257,33 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[list[torch.nn
 
             fill_deterministic_(chunks, args.seed)  # before the optimizer copies its fp32 params
     # norm_optim (1/2): wrap the optimizer once; it behaves as the optimizer it wraps.
-    optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=args.lr, min_lr=args.min_lr),
-                                   model=chunks)
+    optimizer = NormAwareOptimizer(
+        build_optimizer(chunks, lr=args.lr, min_lr=args.min_lr), model=chunks
+    )
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.iterations,
-        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=args.iterations,
-        wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.iterations,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=args.iterations,
+        wd_incr_style="constant",
+    )
     get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
     return chunks, optimizer, scheduler
 
 
-def train_step(args: argparse.Namespace, iteration: int, chunks: list[torch.nn.Module],
-               optimizer: Any, scheduler: Any) -> tuple[torch.Tensor | None, float]:
+def train_step(
+    args: argparse.Namespace,
+    iteration: int,
+    chunks: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+) -> tuple[torch.Tensor | None, float]:
     """One iteration, as Megatron-LM's ``train_step``: forward and backward over this DP rank's
     micro-batches (pipeline schedule; ``finalize_model_grads`` reduces the grads), then the
     optimizer and lr steps. Returns the mean loss (last pipeline stage only) and the grad norm.
@@ -232,19 +291,28 @@ def train_step(args: argparse.Namespace, iteration: int, chunks: list[torch.nn.M
     dp = ps.get_data_parallel_world_size()
     num_microbatches, rest = divmod(args.global_batch_size, args.micro_batch_size * dp)
     if rest or not num_microbatches:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
-                         f"--micro-batch-size x DP = {args.micro_batch_size} x {dp}")
-    first_sample = (iteration - 1) * args.global_batch_size \
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size x DP = {args.micro_batch_size} x {dp}"
+        )
+    first_sample = (
+        (iteration - 1) * args.global_batch_size
         + ps.get_data_parallel_rank() * args.micro_batch_size * num_microbatches
+    )
     device = next(chunks[0].parameters()).device
     data = [synthetic_batches(args, device, first_sample) for _ in chunks]
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
-        model=chunks, num_microbatches=num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=data if len(chunks) > 1 else data[0],
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
     _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=1)
     loss = torch.stack([x["lm loss"] for x in losses]).mean() if losses else None
@@ -264,24 +332,36 @@ class TrainingLog:
         self.start = self.interval_start = time.perf_counter()
         self.bar = self.is_logger and sys.stderr.isatty()
         if self.is_logger:
-            sizes = dict(TP=ps.get_tensor_model_parallel_world_size(),
-                         PP=ps.get_pipeline_model_parallel_world_size(),
-                         DP=ps.get_data_parallel_world_size(),
-                         EP=ps.get_expert_model_parallel_world_size(),
-                         ETP=ps.get_expert_tensor_parallel_world_size())
-            print(f"> world {dist.get_world_size()}: "
-                  + ", ".join(f"{k} {v}" for k, v in sizes.items())
-                  + f" | {'MoE' if args.moe else 'dense'} GPT, {args.num_layers} layers"
-                  + (" | Megatron-FSDP (optim_grads_params)" if args.megatron_fsdp else
-                     f" | distributed optimizer: {args.use_distributed_optimizer}"), flush=True)
+            sizes = dict(
+                TP=ps.get_tensor_model_parallel_world_size(),
+                PP=ps.get_pipeline_model_parallel_world_size(),
+                DP=ps.get_data_parallel_world_size(),
+                EP=ps.get_expert_model_parallel_world_size(),
+                ETP=ps.get_expert_tensor_parallel_world_size(),
+            )
+            print(
+                f"> world {dist.get_world_size()}: "
+                + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                + f" | {'MoE' if args.moe else 'dense'} GPT, {args.num_layers} layers"
+                + (
+                    " | Megatron-FSDP (optim_grads_params)"
+                    if args.megatron_fsdp
+                    else f" | distributed optimizer: {args.use_distributed_optimizer}"
+                ),
+                flush=True,
+            )
         self.writer = None
         if args.tensorboard_dir and self.is_logger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.writer = SummaryWriter(args.tensorboard_dir)
             except ImportError:
-                print("--tensorboard-dir: tensorboard is not installed "
-                      "(pip install 'norm-optim[tensorboard]'); not writing scalars", flush=True)
+                print(
+                    "--tensorboard-dir: tensorboard is not installed "
+                    "(pip install 'norm-optim[tensorboard]'); not writing scalars",
+                    flush=True,
+                )
 
     def step(self, iteration: int, loss: torch.Tensor | None, grad_norm: float) -> None:
         self.steps, self.grad_norm = self.steps + 1, grad_norm
@@ -290,28 +370,46 @@ class TrainingLog:
         if self.bar:
             total = self.args.iterations
             eta = (time.perf_counter() - self.start) / iteration * (total - iteration)
-            sys.stderr.write(f"\r[{'#' * (30 * iteration // total):<30}] {iteration}/{total} "
-                             f"eta {eta:.0f} s")
+            sys.stderr.write(
+                f"\r[{'#' * (30 * iteration // total):<30}] {iteration}/{total} eta {eta:.0f} s"
+            )
 
     def write(self, iteration: int, norms: ParamNorms, cost: NormCallCost, lr: float) -> None:
-        mem = torch.tensor(-1.0 if cost.added_bytes is None else float(cost.added_bytes),
-                           dtype=torch.float64, device=self.device)
+        mem = torch.tensor(
+            -1.0 if cost.added_bytes is None else float(cost.added_bytes),
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the most any rank's call added
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             dist.all_reduce(self.loss_sum, group=ps.get_data_parallel_group())
         total, dense, expert = float(norms.total), float(norms.dense), float(norms.expert)
-        values = dict(iteration=iteration, params_norm=total, params_norm_dense=dense,
-                      params_norm_expert=expert, norm_ms=cost.ms, norm_mem_bytes=float(mem))
-        line = [f" iteration {iteration:8d}/{self.args.iterations:8d}",
-                f"consumed samples: {iteration * self.args.global_batch_size:10d}"]
+        values = dict(
+            iteration=iteration,
+            params_norm=total,
+            params_norm_dense=dense,
+            params_norm_expert=expert,
+            norm_ms=cost.ms,
+            norm_mem_bytes=float(mem),
+        )
+        line = [
+            f" iteration {iteration:8d}/{self.args.iterations:8d}",
+            f"consumed samples: {iteration * self.args.global_batch_size:10d}",
+        ]
         if self.steps:
             dp = ps.get_data_parallel_world_size()
-            values.update(loss=float(self.loss_sum) / self.steps / dp, grad_norm=self.grad_norm,
-                          lr=lr, ms_per_iteration=(time.perf_counter() - self.interval_start)
-                          * 1e3 / self.steps)
-            line += [f"elapsed time per iteration (ms): {values['ms_per_iteration']:.1f}",
-                     f"learning rate: {lr:.6E}", f"lm loss: {values['loss']:.6E}",
-                     f"grad norm: {self.grad_norm:.3f}"]
+            values.update(
+                loss=float(self.loss_sum) / self.steps / dp,
+                grad_norm=self.grad_norm,
+                lr=lr,
+                ms_per_iteration=(time.perf_counter() - self.interval_start) * 1e3 / self.steps,
+            )
+            line += [
+                f"elapsed time per iteration (ms): {values['ms_per_iteration']:.1f}",
+                f"learning rate: {lr:.6E}",
+                f"lm loss: {values['loss']:.6E}",
+                f"grad norm: {self.grad_norm:.3f}",
+            ]
         split = f" (dense {dense:.6f}, expert {expert:.6f})" if self.args.moe else ""
         added = "n/a" if float(mem) < 0 else f"+{float(mem) / 1024:.0f} KiB"
         line += [f"params norm: {total:.6f}{split}", f"norm call: {cost.ms:.2f} ms, {added}"]
@@ -331,22 +429,33 @@ class TrainingLog:
             self.writer.close()
         if self.is_logger and len(self.records) > 1:
             first, last = self.records[0], self.records[-1]
-            print(f"[after training] {self.args.iterations} iterations in "
-                  f"{time.perf_counter() - self.start:.1f} s | lm loss: "
-                  f"{self.records[1]['loss']:.4f} -> {last['loss']:.4f} | params norm: "
-                  f"{first['params_norm']:.6f} -> {last['params_norm']:.6f} | norm call: mean "
-                  f"{sum(r['norm_ms'] for r in self.records) / len(self.records):.2f} ms",
-                  flush=True)
+            print(
+                f"[after training] {self.args.iterations} iterations in "
+                f"{time.perf_counter() - self.start:.1f} s | lm loss: "
+                f"{self.records[1]['loss']:.4f} -> {last['loss']:.4f} | params norm: "
+                f"{first['params_norm']:.6f} -> {last['params_norm']:.6f} | norm call: mean "
+                f"{sum(r['norm_ms'] for r in self.records) / len(self.records):.2f} ms",
+                flush=True,
+            )
         return self.records
 
 
 def train(args: argparse.Namespace) -> list[dict[str, float]]:
     """The training run on this rank (its process group is up; megatron's parallel state is
     initialized here). Returns the logged values on the logging rank, ``[]`` elsewhere."""
-    init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep if args.moe else 1,
-                  etp=args.etp, vpp=args.vpp)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    init_parallel(
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        ep=args.ep if args.moe else 1,
+        etp=args.etp,
+        vpp=args.vpp,
+    )
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
     chunks, optimizer, scheduler = build(args, device)
     log = TrainingLog(args, device)
     if log.is_logger:  # what this rank sums for the norm, and why it skips the rest

@@ -8,7 +8,12 @@ Wrap the optimizer once; ask for the norm at log intervals::
 """
 
 from ._comm import Communicator, TorchCommunicator
-from ._errors import NormOptimError, ParallelStateError, UnknownParamError, UnsupportedOptimizerError
+from ._errors import (
+    NormOptimError,
+    ParallelStateError,
+    UnknownParamError,
+    UnsupportedOptimizerError,
+)
 from ._norm import NamedNorms, ParamNorms, PendingNorms
 from ._ownership import RankCoords
 from ._registry import ParamRecord, ParamRegistry

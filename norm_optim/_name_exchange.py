@@ -57,8 +57,9 @@ def digest(part: Sequence[str]) -> int:
 
 def digests(names: Sequence[tuple[str, bool]], device: torch.device) -> torch.Tensor:
     """What step 2 gathers from a rank: its two digests, int64 ``[2]``."""
-    return torch.tensor([digest(part) for part in name_parts(names)], dtype=torch.int64,
-                        device=device)
+    return torch.tensor(
+        [digest(part) for part in name_parts(names)], dtype=torch.int64, device=device
+    )
 
 
 def speakers(gathered: torch.Tensor) -> list[tuple[int, int]]:
@@ -74,8 +75,9 @@ def speakers(gathered: torch.Tensor) -> list[tuple[int, int]]:
     return order
 
 
-def exchange_names(names: Sequence[tuple[str, bool]], comm: Communicator,
-                   group: ProcessGroup) -> Names:
+def exchange_names(
+    names: Sequence[tuple[str, bool]], comm: Communicator, group: ProcessGroup
+) -> Names:
     """The sorted union of every rank's ``(name, expert)`` list over ``group`` (a collective:
     every rank of ``group`` calls it, with its own list)."""
     parts = name_parts(names)

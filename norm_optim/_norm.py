@@ -82,7 +82,8 @@ class ParamNorms:
         ratio = torch.where(before > 0, now / before, torch.full_like(now, float("-inf")))
         top = torch.topk(ratio, min(k, len(names)))
         return [
-            (names[i], r) for r, i in zip(top.values.tolist(), top.indices.tolist())
+            (names[i], r)
+            for r, i in zip(top.values.tolist(), top.indices.tolist())
             if r != float("-inf")
         ]
 
@@ -103,13 +104,16 @@ class _Rollup:
     groups: torch.Tensor  # the group of each per-param slot; len(index) for none (dropped)
 
     @classmethod
-    def of(cls, names: Sequence[str], key: Callable[[str], Optional[str]],
-           device: torch.device) -> "_Rollup":
+    def of(
+        cls, names: Sequence[str], key: Callable[[str], Optional[str]], device: torch.device
+    ) -> "_Rollup":
         keys = [key(name) for name in names]
-        index = {k: g for g, k in enumerate(sorted({k for k in keys if k is not None},
-                                                   key=natural_key))}
-        groups = torch.tensor([len(index) if k is None else index[k] for k in keys],
-                              dtype=torch.long, device=device)
+        index = {
+            k: g for g, k in enumerate(sorted({k for k in keys if k is not None}, key=natural_key))
+        }
+        groups = torch.tensor(
+            [len(index) if k is None else index[k] for k in keys], dtype=torch.long, device=device
+        )
         return cls(index, groups)
 
     def norms(self, squares: torch.Tensor) -> NamedNorms:
@@ -134,8 +138,7 @@ class PendingNorms:
     blocks until a value is read.
     """
 
-    def __init__(self, squares: torch.Tensor, work: Work,
-                 slots: Optional[_PerParamSlots]) -> None:
+    def __init__(self, squares: torch.Tensor, work: Work, slots: Optional[_PerParamSlots]) -> None:
         self._squares, self._work, self._slots = squares, work, slots
         self._result: Optional[ParamNorms] = None
 
@@ -147,8 +150,9 @@ class PendingNorms:
             rollups = {}
             if slots is not None:  # sums of squares first, then the norms in place
                 tail = squares[EXPERT + 1 :]
-                rollups = dict(per_layer=slots.layers.norms(tail),
-                               per_expert=slots.experts.norms(tail))
+                rollups = dict(
+                    per_layer=slots.layers.norms(tail), per_expert=slots.experts.norms(tail)
+                )
                 rollups["per_param"] = NamedNorms(slots.index, tail)
             norms = squares.sqrt_()  # the reduced vector is the result: no second one
             self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], **rollups)
@@ -168,8 +172,11 @@ def named_records(registry: ParamRegistry) -> list[ParamRecord]:
             "per-param norms need the model: pass NormAwareOptimizer(..., model=chunks) "
             "(this optimizer does not know its model chunks)"
         )
-    return [r for r in registry.records
-            if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)]
+    return [
+        r
+        for r in registry.records
+        if r.reason not in (NotCounted.SHARED, NotCounted.FROZEN_EXCLUDED)
+    ]
 
 
 def local_names(registry: ParamRegistry) -> list[tuple[str, bool]]:
@@ -227,7 +234,8 @@ class NormReducer:
             # Dense and expert totals from the per-name slots, before the reduce (no second pass;
             # into a 2-vector first: the tail is not copied).
             squares[: EXPERT + 1] += torch.zeros_like(squares[: EXPERT + 1]).index_add_(
-                0, kinds, squares[EXPERT + 1 :])
+                0, kinds, squares[EXPERT + 1 :]
+            )
         else:
             squares = self._split_plan()
         work = self.comm.all_reduce_sum(squares, self.group, async_op)
@@ -247,8 +255,11 @@ class NormReducer:
                 self.names = exchange_names(local_names(self.registry), self.comm, self.group)
             labels = [name for name, _ in self.names]
             index = {name: i for i, name in enumerate(labels)}
-            self._slots = _PerParamSlots(index, _Rollup.of(labels, layer_of, self.device),
-                                         _Rollup.of(labels, expert_of, self.device))
+            self._slots = _PerParamSlots(
+                index,
+                _Rollup.of(labels, layer_of, self.device),
+                _Rollup.of(labels, expert_of, self.device),
+            )
             slot = {name: EXPERT + 1 + i for name, i in index.items()}
             counted = [(r, n) for r, n in zip(records, local) if r.counted]
             self._per_param_plan = SumOfSquaresPlan(

@@ -160,12 +160,16 @@ def mesh_conflict(mesh: frozenset[int], *, expert: bool, coords: RankCoords) -> 
     """
     tp = coords.expert_tp_peers if expert else coords.tp_peers
     if len(mesh & tp) > 1:
-        return (f"its mesh spans ranks {sorted(mesh & tp)} of one megatron tensor-parallel group, "
-                "whose rule would drop their parts as TP duplicates")
+        return (
+            f"its mesh spans ranks {sorted(mesh & tp)} of one megatron tensor-parallel group, "
+            "whose rule would drop their parts as TP duplicates"
+        )
     dp = coords.expert_dp_peers if expert else coords.dp_cp_peers
     if dp and not dp <= mesh:
-        return (f"megatron's data-parallel group {sorted(dp)} replicates it, but its mesh holds "
-                f"ranks {sorted(mesh)} only: the copies on ranks {sorted(dp - mesh)} are in no "
-                "placement (shard over the whole DP×CP group, or describe the replication in the "
-                "mesh, e.g. HSDP)")
+        return (
+            f"megatron's data-parallel group {sorted(dp)} replicates it, but its mesh holds "
+            f"ranks {sorted(mesh)} only: the copies on ranks {sorted(dp - mesh)} are in no "
+            "placement (shard over the whole DP×CP group, or describe the replication in the "
+            "mesh, e.g. HSDP)"
+        )
     return None

@@ -79,15 +79,18 @@ class ParamRecord:
         return self.tensor.numel() if self.counted and self.tensor is not None else 0
 
     def __repr__(self) -> str:
-        held = "none" if self.tensor is None else (
-            f"{self.tensor.dtype} {tuple(self.tensor.shape)} of {tuple(self.param.shape)}"
+        held = (
+            "none"
+            if self.tensor is None
+            else (f"{self.tensor.dtype} {tuple(self.tensor.shape)} of {tuple(self.param.shape)}")
         )
         return (
             f"ParamRecord({self.name!r}, {self.source}, {held}, "
             f"{'expert' if self.expert else 'dense'}, "
             f"{'counted' if self.counted else 'not counted: ' + str(self.reason)}, "
             f"{'tp-split' if self.tp_split else 'tp-replicated'} by {self.split_from}"
-            + (f": {self.note}" if self.note else "") + ")"
+            + (f": {self.note}" if self.note else "")
+            + ")"
         )
 
 
@@ -188,7 +191,9 @@ def _model_chunks(optimizer: Any, model: Any) -> Optional[list[torch.nn.Module]]
     return chunks
 
 
-def named_model_params(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def named_model_params(
+    chunks: Sequence[torch.nn.Module],
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(name, param) over the chunks, each param once, chunk-prefixed if there are several."""
     seen: set[int] = set()
     for index, chunk in enumerate(chunks):
@@ -254,13 +259,27 @@ def _build_records(
                     "optimizer does not know it: was the optimizer built for another model, or "
                     "was the param unfrozen after the optimizer was built?"
                 )
-            holding = local_holding(Holding(param, param, Source.FROZEN, replicated=True,
-                                            coords=module_coords.get(id(param))))
+            holding = local_holding(
+                Holding(
+                    param,
+                    param,
+                    Source.FROZEN,
+                    replicated=True,
+                    coords=module_coords.get(id(param)),
+                )
+            )
         used.append(holding)
         excluded = holding.source.is_frozen and not count_frozen  # also Megatron-FSDP's shards
         records.append(
-            _record(name, global_names.get(id(param), name), holding, coords, structure, comm,
-                    forced_reason=NotCounted.FROZEN_EXCLUDED if excluded else None)
+            _record(
+                name,
+                global_names.get(id(param), name),
+                holding,
+                coords,
+                structure,
+                comm,
+                forced_reason=NotCounted.FROZEN_EXCLUDED if excluded else None,
+            )
         )
 
     refuse_partial_meshes(used, [r.name for r in records])
@@ -299,8 +318,11 @@ def _record(
             "fp32 shards do not cover the weight, so no norm of it is exact. Is the param missing "
             "megatron's allreduce=False expert marker?"
         )
-    conflict = mesh_conflict(holding.mesh, expert=traits.expert, coords=coords) \
-        if holding.mesh is not None else None
+    conflict = (
+        mesh_conflict(holding.mesh, expert=traits.expert, coords=coords)
+        if holding.mesh is not None
+        else None
+    )
     if conflict is not None:
         raise ParallelStateError(f"{name!r} is a DTensor that norm_optim cannot count: {conflict}")
     tensor = holding.tensor

@@ -20,6 +20,7 @@ from ._registry import ParamRegistry
 from ._staleness import Staleness
 from ._versions import warn_if_untested
 
+
 @dataclasses.dataclass
 class _State:
     """Everything the wrapper itself holds, kept in one object so that no attribute of its own

@@ -80,8 +80,11 @@ def load_norms(logdir: Path | str, top_k: int = 6) -> PlotData:
             ``install(per_param=True)``, and is this its TensorBoard directory?).
     """
     scalars = load_scalars(logdir)
-    layers = {tag[len(LAYER_TAG):]: values for tag, values in scalars.items()
-              if tag.startswith(LAYER_TAG)}
+    layers = {
+        tag[len(LAYER_TAG) :]: values
+        for tag, values in scalars.items()
+        if tag.startswith(LAYER_TAG)
+    }
     if not layers:
         raise ValueError(
             f"no {LAYER_TAG}<layer> scalars under {logdir}: log the run with "
@@ -89,22 +92,30 @@ def load_norms(logdir: Path | str, top_k: int = 6) -> PlotData:
             "and pass its TensorBoard directory"
         )
     steps = sorted({step for values in layers.values() for step in values})
-    params = {tag[len(PARAM_TAG):]: values for tag, values in scalars.items()
-              if tag.startswith(PARAM_TAG)}
+    params = {
+        tag[len(PARAM_TAG) :]: values
+        for tag, values in scalars.items()
+        if tag.startswith(PARAM_TAG)
+    }
     growth = {name: _growth(values) for name, values in params.items()}
-    fastest = sorted((name for name in growth if growth[name] is not None),
-                     key=lambda name: (-growth[name], name))[:top_k]  # type: ignore[operator]
+    known = {name: ratio for name, ratio in growth.items() if ratio is not None}
+    fastest = sorted(known, key=lambda name: (-known[name], name))[:top_k]
     return PlotData(
         steps=steps,
-        layers={layer: [layers[layer].get(step, math.nan) for step in steps]
-                for layer in sorted(layers, key=natural_key)},
-        growing={name: (sorted(params[name]), [params[name][s] for s in sorted(params[name])])
-                 for name in fastest},
+        layers={
+            layer: [layers[layer].get(step, math.nan) for step in steps]
+            for layer in sorted(layers, key=natural_key)
+        },
+        growing={
+            name: (sorted(params[name]), [params[name][s] for s in sorted(params[name])])
+            for name in fastest
+        },
     )
 
 
-def plot_norms(data: PlotData, out: Path | str, title: Optional[str] = None,
-               size: tuple[int, int] = SIZE) -> Path:
+def plot_norms(
+    data: PlotData, out: Path | str, title: Optional[str] = None, size: tuple[int, int] = SIZE
+) -> Path:
     """Draw ``data`` into the PNG ``out`` (``size`` pixels); returns its path."""
     import matplotlib
 
@@ -113,8 +124,12 @@ def plot_norms(data: PlotData, out: Path | str, title: Optional[str] = None,
 
     out = Path(out)
     figure, (heat, lines) = plt.subplots(
-        2, 1, figsize=(size[0] / _DPI, size[1] / _DPI), dpi=_DPI,
-        gridspec_kw={"height_ratios": [3, 2]})
+        2,
+        1,
+        figsize=(size[0] / _DPI, size[1] / _DPI),
+        dpi=_DPI,
+        gridspec_kw={"height_ratios": [3, 2]},
+    )
     relative = data.relative_layers()
     image = heat.imshow(relative, aspect="auto", interpolation="nearest", **_colors(relative))
     heat.set_yticks(range(len(data.layers)), labels=list(data.layers))
@@ -170,8 +185,9 @@ def _tick_positions(n: int, most: int = 12) -> list[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m norm_optim.plot",
-                                     description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m norm_optim.plot", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("logdir", type=Path, help="the run's TensorBoard directory")
     parser.add_argument("-o", "--output", type=Path, default=Path("norms.png"))
     parser.add_argument("--top", type=int, default=6, help="fastest-growing params drawn")

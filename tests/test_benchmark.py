@@ -14,28 +14,84 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIELDS = {"case", "kind", "world", "numel", "tensors", "layout", "device", "threads", "calls",
-          "memory_method", "local_numel", "local_tensors", "method", "median_s",
-          "extra_peak_bytes", "collectives", "host_syncs", "rel_error", "value", "reference",
-          "registry_build_s", "declarations_s"}
-ENVIRONMENT = {"date", "machine", "processor", "cpus", "python", "torch", "cuda",
-               "norm_optim_sources_sha1", "wall_s", "argv"}
+FIELDS = {
+    "case",
+    "kind",
+    "world",
+    "numel",
+    "tensors",
+    "layout",
+    "device",
+    "threads",
+    "calls",
+    "memory_method",
+    "local_numel",
+    "local_tensors",
+    "method",
+    "median_s",
+    "extra_peak_bytes",
+    "collectives",
+    "host_syncs",
+    "rel_error",
+    "value",
+    "reference",
+    "registry_build_s",
+    "declarations_s",
+}
+ENVIRONMENT = {
+    "date",
+    "machine",
+    "processor",
+    "cpus",
+    "python",
+    "torch",
+    "cuda",
+    "norm_optim_sources_sha1",
+    "wall_s",
+    "argv",
+}
 
 
 def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "rows.json"
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.param_norm", "--cases", "moe-s", "--worlds", "1", "4",
-         "--calls", "3", "--warmup", "1", "--json", str(out)],
-        cwd=ROOT, check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.param_norm",
+            "--cases",
+            "moe-s",
+            "--worlds",
+            "1",
+            "4",
+            "--calls",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     document = json.loads(out.read_text())
     assert set(document) == {"environment", "targets", "rows"}
     assert set(document["environment"]) == ENVIRONMENT
     rows = document["rows"]
     assert {(r["world"], r["method"]) for r in rows} == {
-        (w, m) for w in (1, 4) for m in ("norm_optim", "norm_optim_per_param", "floor",
-                                         "floor_per_param", "attribute_walk", "fp32_copy")
+        (w, m)
+        for w in (1, 4)
+        for m in (
+            "norm_optim",
+            "norm_optim_per_param",
+            "floor",
+            "floor_per_param",
+            "attribute_walk",
+            "fp32_copy",
+        )
     }
     for row in rows:
         assert set(row) == FIELDS, set(row) ^ FIELDS

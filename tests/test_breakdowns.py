@@ -52,9 +52,9 @@ def test_top_k_reports_largest_and_fastest_growing() -> None:
     model.norm.main_param.mul_(10.0)
     model.expert.main_param.mul_(2.0)
     after = optimizer.param_l2_norms(per_param=True)
-    expected = sorted(
-        ((n, float(v)) for n, v in after.per_param.items()), key=lambda nv: -nv[1]
-    )[:2]
+    expected = sorted(((n, float(v)) for n, v in after.per_param.items()), key=lambda nv: -nv[1])[
+        :2
+    ]
     assert [n for n, _ in after.largest(2)] == [n for n, _ in expected]
     growing = after.fastest_growing(before, k=2)
     assert [n for n, _ in growing] == ["norm", "expert"]
@@ -72,8 +72,9 @@ def test_no_host_sync_inside_the_call() -> None:
     model = TinyMoE()
     model.norm.requires_grad_(False)  # a frozen bf16 param: the blocked low-precision path too
     trainable = [p for p in model.parameters() if p.requires_grad]
-    group = dict(params=trainable, wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False,
-                 is_decoupled_lr=False)
+    group = dict(
+        params=trainable, wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False
+    )
     inner = Float16OptimizerWithFloat16Params(
         torch.optim.Adam([group], lr=1e-3), OptimizerConfig(bf16=True), None, lambda *_: None
     )

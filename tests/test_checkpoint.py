@@ -61,14 +61,16 @@ REL = 1e-7  # the CPU kernel's fp32 row accumulation (~2e-8)
 TIMEOUT = 60.0
 SINCE_0_15 = pytest.mark.skipif(
     not megatron_at_least(0, 15),
-    reason="the dp_reshardable / fully_reshardable formats exist since megatron-core 0.15")
+    reason="the dp_reshardable / fully_reshardable formats exist since megatron-core 0.15",
+)
 # Without TE / Apex the distributed optimizer's Adam is torch.optim.Adam, whose 'step' state
 # is a scalar tensor.
 DP_RESHARDABLE_SAVES = pytest.mark.skipif(
     not megatron_at_least(0, 16),
     reason="megatron-core 0.15's dp_reshardable save asserts that every optimizer state is a "
-           "flat shard, which torch Adam's scalar 'step' is not "
-           "(sharded_param_state_dp_reshardable)")
+    "flat shard, which torch Adam's scalar 'step' is not "
+    "(sharded_param_state_dp_reshardable)",
+)
 LAYOUTS = {
     "dp2": Layout(2, SMALL),
     "tp2-dp2": Layout(4, SMALL, tp=2),
@@ -76,15 +78,17 @@ LAYOUTS = {
 }
 
 
-def _sharded_state_dict(chunks: list, optimizer: Any, sharding: str | None,
-                        is_loading: bool) -> dict:
+def _sharded_state_dict(
+    chunks: list, optimizer: Any, sharding: str | None, is_loading: bool
+) -> dict:
     """As Megatron-LM's ``generate_state_dict``: the unwrapped GPTModel's sharded state dict,
     and with ``sharding`` the optimizer's, built over it."""
     state = {"model": unwrap_gpt(chunks[0]).sharded_state_dict()}
     if sharding is not None:
         metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
-                                                          metadata=metadata)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state["model"], is_loading=is_loading, metadata=metadata
+        )
     return state
 
 
@@ -105,10 +109,12 @@ def _save_load_body(directory: str, layout: Layout, sharding: str | None) -> dic
 
     fill_deterministic_(chunks, SEED_B, optimizer=inner)  # model and mains
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    got = {"oracle_a": oracle_norm(shapes, SEED_A), "oracle_b": oracle_norm(shapes, SEED_B),
-           "before": float(optimizer.param_l2_norm())}
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, inner, sharding, True),
-                                     directory)
+    got = {
+        "oracle_a": oracle_norm(shapes, SEED_A),
+        "oracle_b": oracle_norm(shapes, SEED_B),
+        "before": float(optimizer.param_l2_norm()),
+    }
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, inner, sharding, True), directory)
     got["after_dist_load"] = float(optimizer.param_l2_norm())
     unwrap_gpt(chunks[0]).load_state_dict(loaded["model"])
     if sharding is None:
@@ -120,14 +126,27 @@ def _save_load_body(directory: str, layout: Layout, sharding: str | None) -> dic
     return got
 
 
-@pytest.mark.parametrize("sharding", [
-    pytest.param(None, id="model-only"),
-    pytest.param("dp_reshardable", id="dp_reshardable", marks=[SINCE_0_15, DP_RESHARDABLE_SAVES]),
-])
+@pytest.mark.parametrize(
+    "sharding",
+    [
+        pytest.param(None, id="model-only"),
+        pytest.param(
+            "dp_reshardable", id="dp_reshardable", marks=[SINCE_0_15, DP_RESHARDABLE_SAVES]
+        ),
+    ],
+)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_norm_follows_dist_checkpoint_load(tmp_path: Any, layout: str, sharding: str | None) -> None:
-    results = run_ranks(_save_load_body, LAYOUTS[layout].world, str(tmp_path), LAYOUTS[layout],
-                        sharding, timeout=TIMEOUT)
+def test_norm_follows_dist_checkpoint_load(
+    tmp_path: Any, layout: str, sharding: str | None
+) -> None:
+    results = run_ranks(
+        _save_load_body,
+        LAYOUTS[layout].world,
+        str(tmp_path),
+        LAYOUTS[layout],
+        sharding,
+        timeout=TIMEOUT,
+    )
     assert (tmp_path / "metadata.json").exists() and any(tmp_path.glob("*.distcp"))
     for rank, got in enumerate(results):
         assert got["oracle_a"] != pytest.approx(got["oracle_b"], rel=1e-4), "seeds too close"
@@ -145,15 +164,22 @@ def test_norm_follows_dist_checkpoint_load(tmp_path: Any, layout: str, sharding:
 # np.product, which numpy 2 removed.
 FLATTENED_RANGE_ERROR = (
     r"CheckpointingException: ShardedTensor\.flattened_range is not supported"
-    if megatron_at_least(0, 16) else r"module 'numpy' has no attribute 'product'")
+    if megatron_at_least(0, 16)
+    else r"module 'numpy' has no attribute 'product'"
+)
 
 
-@pytest.mark.parametrize("sharding,error", [
-    ("fully_sharded_model_space", FLATTENED_RANGE_ERROR),
-    pytest.param("fully_reshardable", r"KeyError: 'step'", marks=SINCE_0_15),
-], ids=["fully_sharded_model_space", "fully_reshardable"])
-def test_unsupported_optimizer_formats_fail_in_megatron(tmp_path: Any, sharding: str,
-                                                        error: str) -> None:
+@pytest.mark.parametrize(
+    "sharding,error",
+    [
+        ("fully_sharded_model_space", FLATTENED_RANGE_ERROR),
+        pytest.param("fully_reshardable", r"KeyError: 'step'", marks=SINCE_0_15),
+    ],
+    ids=["fully_sharded_model_space", "fully_reshardable"],
+)
+def test_unsupported_optimizer_formats_fail_in_megatron(
+    tmp_path: Any, sharding: str, error: str
+) -> None:
     """Pins what megatron-core 0.16.1 cannot do here (module docstring); if this starts to pass,
     move the format into ``test_norm_follows_dist_checkpoint_load``."""
     with pytest.raises(RankFailedError, match=error):

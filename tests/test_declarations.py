@@ -30,7 +30,17 @@ import torch
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
 from norm_optim.testing.oracle import global_param_shapes, named_global_parameters
-from tests.support.layouts import DENSE, GTP_DENSE, HYBRID, MTP, SINKS, SINKS_MOE, SMALL, SMALL_MOE, Layout
+from tests.support.layouts import (
+    DENSE,
+    GTP_DENSE,
+    HYBRID,
+    MTP,
+    SINKS,
+    SINKS_MOE,
+    SMALL,
+    SMALL_MOE,
+    Layout,
+)
 from norm_optim._versions import megatron_at_least
 from tests.support.mocked_state import TinyMoE, float16_optimizer, single_process
 
@@ -63,31 +73,36 @@ class Audit:
 AUDITS = {
     "gpt-tp2": Audit(Layout(2, SMALL, tp=2)),
     "gpt-tp2-sinks": Audit(Layout(2, SINKS, tp=2), SINK),
-    "gpt-tp2-off-by-one": Audit(Layout(2, dataclasses.replace(SMALL, softmax_type="off-by-one"),
-                                       tp=2)),
+    "gpt-tp2-off-by-one": Audit(
+        Layout(2, dataclasses.replace(SMALL, softmax_type="off-by-one"), tp=2)
+    ),
     "gpt-tp2-untied-sinks": Audit(Layout(2, _learnable(SMALL, tie_embeddings=False), tp=2), SINK),
-    "gpt-tp2-swiglu-sinks": Audit(Layout(2, _learnable(SMALL, gated_linear_unit=True), tp=2),
-                                  SINK),
-    "gpt-tp2-no-init-sinks": Audit(Layout(2, _learnable(SMALL, perform_initialization=False),
-                                          tp=2), SINK, raw_markers=False),
+    "gpt-tp2-swiglu-sinks": Audit(Layout(2, _learnable(SMALL, gated_linear_unit=True), tp=2), SINK),
+    "gpt-tp2-no-init-sinks": Audit(
+        Layout(2, _learnable(SMALL, perform_initialization=False), tp=2), SINK, raw_markers=False
+    ),
     "gpt-tp2-pp2-sinks": Audit(Layout(4, SINKS, tp=2, pp=2), SINK),
     "gpt-tp2-pp2-vpp2-sinks": Audit(Layout(4, _learnable(DENSE), tp=2, pp=2, vpp=2), SINK),
     "gpt-tp2-cp2-sinks": Audit(Layout(4, SINKS, tp=2, cp=2), SINK),
-    "mtp-tp2-pp2-sinks": Audit(Layout(4, _learnable(MTP, num_layers=2), tp=2, pp=2),
-                               SINK | MTP_SINK),
-    "mtp-tp2-untied-sinks": Audit(Layout(2, _learnable(MTP, num_layers=2, tie_embeddings=False),
-                                         tp=2), SINK | MTP_SINK),
+    "mtp-tp2-pp2-sinks": Audit(
+        Layout(4, _learnable(MTP, num_layers=2), tp=2, pp=2), SINK | MTP_SINK
+    ),
+    "mtp-tp2-untied-sinks": Audit(
+        Layout(2, _learnable(MTP, num_layers=2, tie_embeddings=False), tp=2), SINK | MTP_SINK
+    ),
     "moe-tp2-ep2-etp2-sinks": Audit(Layout(4, SINKS_MOE, tp=2, ep=2), SINK),
     "moe-tp2-ep2-etp1-sinks": Audit(Layout(4, SINKS_MOE, tp=2, ep=2, etp=1), SINK),
     "moe-tp2-ep1-etp1-sinks": Audit(Layout(2, SINKS_MOE, tp=2, etp=1), SINK),
     "moe-tp2-ep1-etp2": Audit(Layout(2, SMALL_MOE, tp=2)),
     "moe-shared-experts-tp2-ep2-sinks": Audit(
-        Layout(4, _learnable(SMALL_MOE, moe_shared_expert_intermediate_size=32), tp=2, ep=2), SINK),
+        Layout(4, _learnable(SMALL_MOE, moe_shared_expert_intermediate_size=32), tp=2, ep=2), SINK
+    ),
     "gtp-tp2-gtp2-sinks": Audit(Layout(4, _learnable(GTP_DENSE, num_layers=2), tp=2, gtp=2), SINK),
     "hybrid-tp2-ep2-sinks": Audit(Layout(4, _learnable(HYBRID), tp=2, ep=2, etp=1), SINK),
     "megatron-fsdp-tp2-dp2-sinks": Audit(Layout(4, SINKS, tp=2), SINK, megatron_fsdp=True),
-    "megatron-fsdp-moe-tp2-ep2-sinks": Audit(Layout(4, SINKS_MOE, tp=2, ep=2), SINK,
-                                             megatron_fsdp=True),
+    "megatron-fsdp-moe-tp2-ep2-sinks": Audit(
+        Layout(4, SINKS_MOE, tp=2, ep=2), SINK, megatron_fsdp=True
+    ),
 }
 
 
@@ -117,10 +132,27 @@ def _tp_local_numel(param: torch.Tensor) -> int:
 @contextlib.contextmanager
 def _counting_collectives() -> Iterator[list[str]]:
     """Counts every torch.distributed collective or point-to-point call made inside."""
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-             "broadcast", "broadcast_object_list", "barrier", "reduce", "reduce_scatter",
-             "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
-             "send", "recv", "isend", "irecv", "new_group")
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "new_group",
+    )
     calls: list[str] = []
     originals = {n: getattr(torch.distributed, n) for n in names}
 
@@ -128,6 +160,7 @@ def _counting_collectives() -> Iterator[list[str]]:
         def call(*args: Any, **kwargs: Any) -> Any:
             calls.append(name)
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in names:
@@ -147,8 +180,11 @@ def _rank_body(layout: Layout, megatron_fsdp: bool) -> dict[str, Any]:
     from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
     init_parallel(**layout.parallel())
-    chunks = (build_fsdp_model(layout.cfg) if megatron_fsdp
-              else build_model(layout.cfg, use_distributed_optimizer=True))
+    chunks = (
+        build_fsdp_model(layout.cfg)
+        if megatron_fsdp
+        else build_model(layout.cfg, use_distributed_optimizer=True)
+    )
     with _counting_collectives() as calls:
         declarations = read_declarations(chunks)
     registry = NormAwareOptimizer(build_optimizer(chunks), model=chunks).registry
@@ -156,29 +192,34 @@ def _rank_body(layout: Layout, megatron_fsdp: bool) -> dict[str, Any]:
     params = []
     for name, param in named_global_parameters(chunks):
         record = records[id(param)]
-        params.append(dict(
-            name=name,
-            numel=_tp_local_numel(param),
-            marked=bool(getattr(param, "tensor_model_parallel", False)),
-            # The group that would split it: nothing to disagree about at size 1.
-            group_size=ps.get_expert_tensor_parallel_world_size() if ".mlp.experts." in name
-            else ps.get_tensor_model_parallel_world_size(),
-            tp_split=record.tp_split,
-            split_from=str(record.split_from),
-            note=record.note,
-        ))
-    return {"collectives": calls, "read": declarations.read or declarations.unavailable,
-            "params": params}
+        params.append(
+            dict(
+                name=name,
+                numel=_tp_local_numel(param),
+                marked=bool(getattr(param, "tensor_model_parallel", False)),
+                # The group that would split it: nothing to disagree about at size 1.
+                group_size=ps.get_expert_tensor_parallel_world_size()
+                if ".mlp.experts." in name
+                else ps.get_tensor_model_parallel_world_size(),
+                tp_split=record.tp_split,
+                split_from=str(record.split_from),
+                note=record.note,
+            )
+        )
+    return {
+        "collectives": calls,
+        "read": declarations.read or declarations.unavailable,
+        "params": params,
+    }
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=a.marks()) for n, a in AUDITS.items()]
-)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=a.marks()) for n, a in AUDITS.items()])
 def test_every_param_classified_as_declared(name: str) -> None:
     audit = AUDITS[name]
     whole = run_ranks(_unparallel_numels, 1, audit.layout.cfg)[0]
-    results = run_ranks(_rank_body, audit.layout.world, audit.layout, audit.megatron_fsdp,
-                        timeout=240)
+    results = run_ranks(
+        _rank_body, audit.layout.world, audit.layout, audit.megatron_fsdp, timeout=240
+    )
 
     unmarked: set[str] = set()
     noted: set[str] = set()
@@ -230,14 +271,25 @@ def _declarations(**fields: Any) -> Any:
     return Declarations(**fields)
 
 
-@pytest.mark.parametrize("declared,marker,note", [
-    (True, None, "declared split on dim 0 in 2 parts as 'layer.weight', but the markers say "
-                 "replicated (no marker, not in the layer table): the declaration counts"),
-    (False, True, "declared replicated across TP as 'layer.weight', but the markers say "
-                  "TP-split (tensor_model_parallel=True): the declaration counts"),
-    (True, True, None),
-    (False, None, None),
-])
+@pytest.mark.parametrize(
+    "declared,marker,note",
+    [
+        (
+            True,
+            None,
+            "declared split on dim 0 in 2 parts as 'layer.weight', but the markers say "
+            "replicated (no marker, not in the layer table): the declaration counts",
+        ),
+        (
+            False,
+            True,
+            "declared replicated across TP as 'layer.weight', but the markers say "
+            "TP-split (tensor_model_parallel=True): the declaration counts",
+        ),
+        (True, True, None),
+        (False, None, None),
+    ],
+)
 def test_the_declaration_wins_and_a_disagreement_is_noted(
     declared: bool, marker: bool | None, note: str | None
 ) -> None:
@@ -252,15 +304,20 @@ def test_nothing_to_disagree_about_at_tp1() -> None:
     assert (traits.tp_split, traits.split_from, traits.note) == (False, "declaration", None)
 
 
-@pytest.mark.parametrize("declarations,note", [
-    # A megatron model that declares other params but not this one.
-    (dict(by_param={}, read=True), "no sharding declaration"),
-    # A megatron model whose declarations could not be built.
-    (dict(unavailable="sharded_state_dict failed: boom"),
-     "declarations sharded_state_dict failed: boom"),
-    # Not a megatron model (plain torch): the markers are its rule, silently.
-    (dict(), None),
-])
+@pytest.mark.parametrize(
+    "declarations,note",
+    [
+        # A megatron model that declares other params but not this one.
+        (dict(by_param={}, read=True), "no sharding declaration"),
+        # A megatron model whose declarations could not be built.
+        (
+            dict(unavailable="sharded_state_dict failed: boom"),
+            "declarations sharded_state_dict failed: boom",
+        ),
+        # Not a megatron model (plain torch): the markers are its rule, silently.
+        (dict(), None),
+    ],
+)
 def test_without_a_declaration_the_markers_decide_and_the_record_says_why(
     declarations: dict, note: str | None
 ) -> None:

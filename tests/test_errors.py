@@ -31,6 +31,7 @@ from tests.support.precision_aware_standin import build_precision_aware_optimize
 
 # ------------------------------------------------------------------ optimizers
 
+
 @single_process
 def test_unknown_optimizer_kind_names_the_class() -> None:
     class MysteryOptimizer:
@@ -49,7 +50,9 @@ def test_a_renamed_megatron_internal_names_itself_and_the_version() -> None:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         fp32_from_float16_groups: list = []
 
-    with pytest.raises(UnsupportedOptimizerError, match=r"\(megatron-core 0\..*lacks 'float16_groups'"):
+    with pytest.raises(
+        UnsupportedOptimizerError, match=r"\(megatron-core 0\..*lacks 'float16_groups'"
+    ):
         NormAwareOptimizer(RenamedFloat16Optimizer())
 
 
@@ -77,7 +80,9 @@ def test_megatron_fsdp_optimizer_is_refused_by_name() -> None:
 
 
 @single_process
-@pytest.mark.skipif(not megatron_at_least(0, 19), reason="MimoOptimizer exists since megatron-core 0.19")
+@pytest.mark.skipif(
+    not megatron_at_least(0, 19), reason="MimoOptimizer exists since megatron-core 0.19"
+)
 def test_mimo_module_without_process_groups_is_refused() -> None:
     """A MimoOptimizer has ``optimizer = None`` like a stub (read as one it gave a norm of 0);
     each active module is read with its own process groups, so a module without them is an
@@ -87,7 +92,9 @@ def test_mimo_module_without_process_groups_is_refused() -> None:
     model = TinyMoE()
     info = ModuleOptimizerInfo(float16_optimizer(model), None, None, True)
     mimo = MimoOptimizer({"language_model": info}, OptimizerConfig(optimizer="adam", bf16=True))
-    with pytest.raises(UnsupportedOptimizerError, match="'language_model'.*no ProcessGroupCollection"):
+    with pytest.raises(
+        UnsupportedOptimizerError, match="'language_model'.*no ProcessGroupCollection"
+    ):
         NormAwareOptimizer(mimo, model=model)
 
 
@@ -111,15 +118,19 @@ def _low_precision_master_body(dtype: torch.dtype, declared: bool) -> str:
 
 
 @pytest.mark.parametrize(
-    "dtype,declared", [(torch.float16, False), (torch.int16, False), (torch.float16, True)],
+    "dtype,declared",
+    [(torch.float16, False), (torch.int16, False), (torch.float16, True)],
     ids=["fp16-state", "int16-without-remainders", "fp16-declared-before-any-state"],
 )
-def test_low_precision_master_weights_are_refused_by_name(dtype: torch.dtype, declared: bool) -> None:
+def test_low_precision_master_weights_are_refused_by_name(
+    dtype: torch.dtype, declared: bool
+) -> None:
     message = run_ranks(_low_precision_master_body, 1, dtype, declared, timeout=60)[0]
     assert re.search(rf"{dtype} tensors.*fp32 master", message), message
 
 
 # ------------------------------------------------------------------ the model
+
 
 @single_process
 def test_model_param_unknown_to_the_optimizer_is_named() -> None:
@@ -151,8 +162,9 @@ def test_param_held_by_two_leaves_is_named() -> None:
 
     model = torch.nn.Linear(3, 2)
     with cpu_shim():  # FP32Optimizer makes CUDA tensors
-        leaf = FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), OptimizerConfig(lr=0.1),
-                             None)
+        leaf = FP32Optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), OptimizerConfig(lr=0.1), None
+        )
     with pytest.raises(UnknownParamError, match=r"held by two optimizer leaves.*FP32Optimizer"):
         NormAwareOptimizer(ChainedOptimizer([leaf, leaf]), model=model)
 
@@ -190,6 +202,7 @@ def test_ep1_experts_need_the_model_when_expert_groups_differ() -> None:
 
 
 # ------------------------------------------------------------------ parallel state
+
 
 def _pg_collection(**groups: object) -> object:
     """A real megatron ``ProcessGroupCollection`` with only ``groups`` set (placeholders: one

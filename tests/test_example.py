@@ -30,8 +30,17 @@ SEED = 7
 RUN = ["--iterations", "4", "--log-interval", "2", "--init", "deterministic", "--seed", str(SEED)]
 LAYOUTS = {
     "default (MoE, TP2 x EP2)": [],
-    "dense DP2 x PP2 x VPP2": ["--dense", "--tp", "1", "--pp", "2", "--vpp", "2",
-                               "--num-layers", "4"],
+    "dense DP2 x PP2 x VPP2": [
+        "--dense",
+        "--tp",
+        "1",
+        "--pp",
+        "2",
+        "--vpp",
+        "2",
+        "--num-layers",
+        "4",
+    ],
     "Megatron-FSDP (MoE, TP2 x EP2)": ["--megatron-fsdp"],
 }
 
@@ -60,9 +69,11 @@ def _oracle(cfg: TinyGPTConfig) -> dict[str, float]:
     sums = oracle_sum_of_squares(run_ranks(_unparallel_shapes, 1, cfg)[0], SEED)
     expert = [s for name, s in sums.items() if ".mlp.experts." in name]
     dense = [s for name, s in sums.items() if ".mlp.experts." not in name]
-    return dict(params_norm=math.sqrt(math.fsum(sums.values())),
-                params_norm_dense=math.sqrt(math.fsum(dense)),
-                params_norm_expert=math.sqrt(math.fsum(expert)))
+    return dict(
+        params_norm=math.sqrt(math.fsum(sums.values())),
+        params_norm_dense=math.sqrt(math.fsum(dense)),
+        params_norm_expert=math.sqrt(math.fsum(expert)),
+    )
 
 
 class _FakeSummaryWriter:
@@ -83,14 +94,18 @@ class _FakeSummaryWriter:
 # Megatron-FSDP with experts cannot be built by megatron-core 0.14 (it reads a DeviceMesh
 # internal this torch no longer has) nor 0.15 (it calls FSDPDistributedIndex.get_expert_dp_group,
 # which 0.15 does not define): tests/test_megatron_fsdp.py skips them with the details.
-MOE_FSDP = pytest.mark.skipif(not megatron_at_least(0, 16),
-                              reason="Megatron-FSDP with experts needs megatron-core >= 0.16")
+MOE_FSDP = pytest.mark.skipif(
+    not megatron_at_least(0, 16), reason="Megatron-FSDP with experts needs megatron-core >= 0.16"
+)
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=[MOE_FSDP] if "--megatron-fsdp" in argv else [])
-    for name, argv in LAYOUTS.items()
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(name, marks=[MOE_FSDP] if "--megatron-fsdp" in argv else [])
+        for name, argv in LAYOUTS.items()
+    ],
+)
 def test_logged_param_norm_matches_oracle_then_changes(
     example: Any,
     layout: str,
@@ -99,10 +114,10 @@ def test_logged_param_norm_matches_oracle_then_changes(
     tmp_path: Path,
 ) -> None:
     # The ranks are forked from this process, so they import the fake.
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
-                        ModuleType("fake_tensorboard"))
-    monkeypatch.setattr(sys.modules["torch.utils.tensorboard"], "SummaryWriter",
-                        _FakeSummaryWriter, raising=False)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", ModuleType("fake_tensorboard"))
+    monkeypatch.setattr(
+        sys.modules["torch.utils.tensorboard"], "SummaryWriter", _FakeSummaryWriter, raising=False
+    )
     argv = RUN + LAYOUTS[layout] + ["--tensorboard-dir", str(tmp_path)]
     records = example.main(argv)
     printed = capfd.readouterr().out
@@ -119,7 +134,8 @@ def test_logged_param_norm_matches_oracle_then_changes(
     for r in records[1:]:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["lr"] > 0
         assert math.hypot(r["params_norm_dense"], r["params_norm_expert"]) == pytest.approx(
-            r["params_norm"], rel=1e-9)
+            r["params_norm"], rel=1e-9
+        )
 
     lines = re.findall(r"^ iteration .*?\| params norm: ([0-9.]+)", printed, re.MULTILINE)
     logged = [float(x) for x in lines]
@@ -127,17 +143,24 @@ def test_logged_param_norm_matches_oracle_then_changes(
     assert "[after training] 4 iterations" in printed
 
     scalars = [line.split() for line in (tmp_path / "scalars.txt").read_text().splitlines()]
-    assert [(int(step), float(value)) for tag, step, value in scalars if tag == "params-norm"] \
-        == [(r["iteration"], r["params_norm"]) for r in records]
+    assert [(int(step), float(value)) for tag, step, value in scalars if tag == "params-norm"] == [
+        (r["iteration"], r["params_norm"]) for r in records
+    ]
 
 
 def test_script_runs_as_the_readme_command() -> None:
     """``make train`` runs the script with no flags; here the same entry point, shortened."""
     done = subprocess.run(
         [sys.executable, str(EXAMPLE), "--iterations", "2", "--log-interval", "1"],
-        capture_output=True, text=True, timeout=240, check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert re.search(r"iteration +2/ +2 \|.*lm loss: .*\| params norm: [0-9.]+ \(dense [0-9.]+, "
-                     r"expert [0-9.]+\) \|", done.stdout), done.stdout
+    assert re.search(
+        r"iteration +2/ +2 \|.*lm loss: .*\| params norm: [0-9.]+ \(dense [0-9.]+, "
+        r"expert [0-9.]+\) \|",
+        done.stdout,
+    ), done.stdout
     assert "[after training] 2 iterations" in done.stdout

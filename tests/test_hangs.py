@@ -32,8 +32,11 @@ def _counts_nothing_body() -> dict:
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     oracle = filled_oracle(chunks, optimizer, 1)
-    return {"oracle": oracle, "norm": float(optimizer.param_l2_norm()),
-            "counted": len(optimizer.registry.counted)}
+    return {
+        "oracle": oracle,
+        "norm": float(optimizer.param_l2_norm()),
+        "counted": len(optimizer.registry.counted),
+    }
 
 
 def test_ranks_that_count_nothing_still_join_the_one_collective() -> None:
@@ -50,15 +53,19 @@ def _frozen_stage_body(count_frozen: bool) -> dict:
     init_parallel(pp=2)
     cfg = dataclasses.replace(DENSE, tie_embeddings=False)
     stage = ps.get_pipeline_model_parallel_rank()
-    chunks = build_model(cfg, use_distributed_optimizer=True, freeze=("*",) if stage == 0 else (),
-                         seed=SEED)
+    chunks = build_model(
+        cfg, use_distributed_optimizer=True, freeze=("*",) if stage == 0 else (), seed=SEED
+    )
     inner = build_optimizer(chunks, lr=1e-2)
     optimizer = NormAwareOptimizer(inner, model=chunks, count_frozen=count_frozen)
     fill_deterministic_(chunks, 1, optimizer=inner)
     shapes = global_param_shapes(chunks, trainable_only=not count_frozen)
     norms = optimizer.param_l2_norms(per_param=True)
-    return {"norm": float(norms.total), "oracle": oracle_norm(shapes, 1),
-            "counted": len(optimizer.registry.counted)}
+    return {
+        "norm": float(norms.total),
+        "oracle": oracle_norm(shapes, 1),
+        "counted": len(optimizer.registry.counted),
+    }
 
 
 @pytest.mark.parametrize("count_frozen", [True, False])
@@ -78,9 +85,12 @@ def _uneven_moe_body() -> dict:
     train_step(chunks, optimizer, seed=0)
     oracle = filled_oracle(chunks, optimizer, 1)
     norms = optimizer.param_l2_norms(per_param=True)
-    return {"oracle": oracle, "norm": float(optimizer.param_l2_norm()),
-            "per_param_total": float(norms.total),
-            "experts": sum(r.expert for r in optimizer.registry)}
+    return {
+        "oracle": oracle,
+        "norm": float(optimizer.param_l2_norm()),
+        "per_param_total": float(norms.total),
+        "experts": sum(r.expert for r in optimizer.registry),
+    }
 
 
 def test_uneven_moe_layers_per_pipeline_stage() -> None:
@@ -131,8 +141,11 @@ def _poison_body(value: float, dist_opt: bool) -> dict:
         record = optimizer.registry.counted[-1]
         record.tensor.view(-1)[0] = value  # one element of one counted main, on this rank only
     norms = optimizer.param_l2_norms(per_param=True)
-    return {"total": float(norms.total), "dense": float(norms.dense),
-            "bad_names": sorted(n for n, v in norms.per_param.items() if not math.isfinite(v))}
+    return {
+        "total": float(norms.total),
+        "dense": float(norms.dense),
+        "bad_names": sorted(n for n, v in norms.per_param.items() if not math.isfinite(v)),
+    }
 
 
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])

@@ -45,37 +45,55 @@ LAYOUTS = {
     "tp2-pp2-dp2": Layout(8, DEFAULT, tp=2, pp=2),
     "ep2": Layout(2, DEFAULT_MOE, ep=2),
     "tp2-ep2": Layout(4, DEFAULT_MOE, tp=2, ep=2),
-    "ep4-alltoall": Layout(4, TinyGPTConfig(num_experts=4, moe_token_dispatcher_type="alltoall"),
-                           ep=4),
+    "ep4-alltoall": Layout(
+        4, TinyGPTConfig(num_experts=4, moe_token_dispatcher_type="alltoall"), ep=4
+    ),
     "tp2-pp2-ep2-etp1-moe-last-stage": Layout(8, MOE_ON_LAST_STAGE, tp=2, pp=2, ep=2, etp=1),
 }
 EXTRA_LAYOUTS = {
     "cp2-tp2": Layout(4, DEFAULT, cp=2, tp=2),
     "instances2": Layout(4, DEFAULT, instances=2),
-    "ep2-frozen-mixed-fp32": Layout(2, TinyGPTConfig(num_experts=2), ep=2,
-                                    freeze=("decoder.layers.0.self_attention.*",),
-                                    fp32_params=("*layernorm*", "*router*")),
+    "ep2-frozen-mixed-fp32": Layout(
+        2,
+        TinyGPTConfig(num_experts=2),
+        ep=2,
+        freeze=("decoder.layers.0.self_attention.*",),
+        fp32_params=("*layernorm*", "*router*"),
+    ),
 }
 ORACLE_LAYOUTS = {
     **{name: LAYOUTS[name] for name in ("w1", "tp2", "pp2-vpp2-dp2", "ep2")},
-    "tp2-pp2-ep2-vpp2-untied": Layout(8, TinyGPTConfig(num_experts=4, num_layers=4,
-                                                       moe_layer_freq=(0, 1, 0, 1),
-                                                       tie_embeddings=False),
-                                      tp=2, pp=2, ep=2, vpp=2),
+    "tp2-pp2-ep2-vpp2-untied": Layout(
+        8,
+        TinyGPTConfig(
+            num_experts=4, num_layers=4, moe_layer_freq=(0, 1, 0, 1), tie_embeddings=False
+        ),
+        tp=2,
+        pp=2,
+        ep=2,
+        vpp=2,
+    ),
     "ep2-frozen-mixed-fp32": EXTRA_LAYOUTS["ep2-frozen-mixed-fp32"],
 }
 
 
 def _params(layouts: dict[str, Layout], dist_opt: tuple[bool, ...] = (False, True)) -> list[Any]:
-    return [pytest.param(layout, d, id=f"{name}-{'distopt' if d else 'fp16opt'}")
-            for name, layout in layouts.items() for d in dist_opt]
+    return [
+        pytest.param(layout, d, id=f"{name}-{'distopt' if d else 'fp16opt'}")
+        for name, layout in layouts.items()
+        for d in dist_opt
+    ]
 
 
 def _build_and_step(layout: Layout, dist_opt: bool) -> tuple[list[torch.nn.Module], Any, tuple]:
     init_parallel(**layout.parallel())
-    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, freeze=layout.freeze,
-                         fp32_params=layout.fp32_params,
-                         num_distributed_optimizer_instances=layout.instances)
+    chunks = build_model(
+        layout.cfg,
+        use_distributed_optimizer=dist_opt,
+        freeze=layout.freeze,
+        fp32_params=layout.fp32_params,
+        num_distributed_optimizer_instances=layout.instances,
+    )
     optimizer = build_optimizer(chunks)
     return chunks, optimizer, train_step(chunks, optimizer)
 
@@ -120,7 +138,7 @@ def _main_params_match(optimizer: Any) -> bool:
                     continue
                 if getattr(param, "main_param_sharded", False):
                     shard = inner._get_model_param_range_map(param)["param"]
-                    expected = param.detach().view(-1)[shard.start:shard.end].float()
+                    expected = param.detach().view(-1)[shard.start : shard.end].float()
                 else:
                     expected = param.detach().float()
                 if not torch.equal(main, expected):
@@ -131,19 +149,25 @@ def _main_params_match(optimizer: Any) -> bool:
 def _dedup_sums_after_fill(layout: Layout, dist_opt: bool, seed: int) -> tuple[dict, dict, bool]:
     chunks, optimizer, _ = _build_and_step(layout, dist_opt)
     fill_deterministic_(chunks, seed, optimizer)
-    local = {_shard_key(name, p): torch.sum(p.detach().double() ** 2).item()
-             for name, p in named_global_parameters(chunks) if p.requires_grad}
+    local = {
+        _shard_key(name, p): torch.sum(p.detach().double() ** 2).item()
+        for name, p in named_global_parameters(chunks)
+        if p.requires_grad
+    }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     return gathered, global_param_shapes(chunks), _main_params_match(optimizer)
 
 
-@pytest.mark.parametrize("layout, dist_opt", _params(ORACLE_LAYOUTS, (True,))
-                         + _params({n: LAYOUTS[n] for n in ("w1", "tp2")}, (False,)))
+@pytest.mark.parametrize(
+    "layout, dist_opt",
+    _params(ORACLE_LAYOUTS, (True,)) + _params({n: LAYOUTS[n] for n in ("w1", "tp2")}, (False,)),
+)
 def test_oracle_equals_deduplicated_sum_of_actual_params(layout: Layout, dist_opt: bool) -> None:
     seed = 17
-    gathered, shapes, main_match = run_ranks(_dedup_sums_after_fill, layout.world, layout, dist_opt,
-                                             seed, timeout=60)[0]
+    gathered, shapes, main_match = run_ranks(
+        _dedup_sums_after_fill, layout.world, layout, dist_opt, seed, timeout=60
+    )[0]
     shards: dict[tuple[str, int], float] = {}
     for rank, sums in enumerate(gathered):
         for key, value in sums.items():

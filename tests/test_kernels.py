@@ -104,7 +104,12 @@ def test_empty_list():
 
 
 def test_zero_size_tensors():
-    tensors = [torch.empty(0), torch.empty(3, 0), torch.ones(4), torch.empty(0, dtype=torch.bfloat16)]
+    tensors = [
+        torch.empty(0),
+        torch.empty(3, 0),
+        torch.ones(4),
+        torch.empty(0, dtype=torch.bfloat16),
+    ]
     plan = SumOfSquaresPlan(tensors, [0, 1, 1, 2], 3)
     assert plan().tolist() == [0.0, 4.0, 0.0]
 
@@ -207,7 +212,9 @@ def test_out_device_and_reporting():
 def test_cuda_and_cpu_offloaded_mixed():
     g = torch.Generator().manual_seed(6)
     cpu = [_bf16_valued(n, g) for n in (10, 100_000)]
-    cuda = [_bf16_valued(n, g).cuda() for n in (5, 3_000_000)] + [torch.randn(1000).bfloat16().cuda()]
+    cuda = [_bf16_valued(n, g).cuda() for n in (5, 3_000_000)] + [
+        torch.randn(1000).bfloat16().cuda()
+    ]
     tensors, slots = cpu + cuda, [0, 1, 1, 2, 0]
     plan = SumOfSquaresPlan(tensors, slots, 3)
     out = plan()

@@ -21,7 +21,11 @@ import torch
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim._versions import megatron_at_least
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer
-from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
+from norm_optim.testing.oracle import (
+    fill_deterministic_,
+    global_param_shapes,
+    oracle_sum_of_squares,
+)
 from tests.support.layouts import DENSE, GTP_DENSE, GTP_MOE, HYBRID, MOE, MTP, Layout
 
 SEED = 7
@@ -49,8 +53,9 @@ LAYOUTS = {
     "tp2-ep1-etp1": Layout(2, MOE, tp=2, etp=1),
     "tp2-dp2-ep1-etp1": Layout(4, MOE, tp=2, etp=1),
     "ep1-moe-dp2": Layout(2, MOE),
-    "pp2-moe-on-stage1-only": Layout(4, dataclasses.replace(MOE, moe_layer_freq=(0, 0, 1, 1)),
-                                     pp=2, ep=2),
+    "pp2-moe-on-stage1-only": Layout(
+        4, dataclasses.replace(MOE, moe_layer_freq=(0, 0, 1, 1)), pp=2, ep=2
+    ),
     "dp4-2instances": Layout(4, instances=2),
     "ep2-dp2-2instances": Layout(4, MOE, ep=2, instances=2),
     # Parallel state with 2 instances, DDP told 1: megatron still shards over one instance but
@@ -78,8 +83,9 @@ LAYOUTS = {
     # shards as if they were replicas (refused: test_expert_gtp_sharded_as_replicas_is_refused).
     # 0.19's distributed optimizer shards over ranks holding different expert-GTP shards (refused
     # below); main's does not, and the layout is exact there with it.
-    "ep2-egtp2": Layout(4, GTP_MOE, ep=2, gtp=2, egtp=2,
-                        dist_opt_refused=not megatron_at_least(0, 20)),
+    "ep2-egtp2": Layout(
+        4, GTP_MOE, ep=2, gtp=2, egtp=2, dist_opt_refused=not megatron_at_least(0, 20)
+    ),
     "tp2-ep2-egtp2": Layout(8, GTP_MOE, tp=2, ep=2, etp=1, gtp=2, egtp=2),
     # Muon (emerging-optimizers): matrices in the layer-wise optimizer, each assigned whole to one
     # DP rank; the other params in Adam leaves (distributed optimizer when DDP is).
@@ -90,8 +96,9 @@ LAYOUTS = {
     "mtp-dp2": Layout(2, MTP),
     "mtp-pp2-tied": Layout(2, MTP, pp=2),
     "mtp-tp2-pp2-untied": Layout(4, dataclasses.replace(MTP, tie_embeddings=False), tp=2, pp=2),
-    "mtp-pp2-ep2": Layout(4, dataclasses.replace(MOE, mtp_num_layers=1,
-                                                 position_embedding_type="rope"), pp=2, ep=2),
+    "mtp-pp2-ep2": Layout(
+        4, dataclasses.replace(MOE, mtp_num_layers=1, position_embedding_type="rope"), pp=2, ep=2
+    ),
     "hybrid-dp2": Layout(2, HYBRID),
     "hybrid-tp2-ep2-etp1": Layout(4, HYBRID, tp=2, ep=2, etp=1),
     "hybrid-pp2-ep2": Layout(4, HYBRID, pp=2, ep=2),
@@ -104,8 +111,9 @@ LAYOUTS = {
     "muon-gtp2-dp2-layer-wise": Layout(4, GTP_DENSE, gtp=2, optimizer="muon", layer_wise=True),
 }
 CASES = [
-    pytest.param(name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}",
-                 marks=layout.marks())
+    pytest.param(
+        name, dist_opt, id=f"{name}-{'distopt' if dist_opt else 'fp16opt'}", marks=layout.marks()
+    )
     for name, layout in LAYOUTS.items()
     for dist_opt in (True, False)
     # Several instances exist only with the distributed optimizer.
@@ -135,10 +143,15 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
     from norm_optim._comm import TorchCommunicator
 
     init_parallel(**layout.parallel())
-    chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, freeze=layout.freeze,
-                         fp32_params=layout.fp32_params, seed=SEED,
-                         layer_wise_layout=layout.layer_wise and dist_opt,
-                         num_distributed_optimizer_instances=layout.ddp_instances or layout.instances)
+    chunks = build_model(
+        layout.cfg,
+        use_distributed_optimizer=dist_opt,
+        freeze=layout.freeze,
+        fp32_params=layout.fp32_params,
+        seed=SEED,
+        layer_wise_layout=layout.layer_wise and dist_opt,
+        num_distributed_optimizer_instances=layout.ddp_instances or layout.instances,
+    )
     extra = {"use_layer_wise_distributed_optimizer": True} if layout.layer_wise else {}
     inner = build_optimizer(chunks, optimizer=layout.optimizer, **extra)
     fill_deterministic_(chunks, SEED, optimizer=inner)
@@ -157,7 +170,9 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    optimizer = NormAwareOptimizer(inner, model=chunks, comm=Counting(), pg_collection=pg_collection)
+    optimizer = NormAwareOptimizer(
+        inner, model=chunks, comm=Counting(), pg_collection=pg_collection
+    )
     norms = optimizer.param_l2_norms(per_param=True)  # first call also gathers names once
     Counting.all_reduces = 0
     total = float(optimizer.param_l2_norm())
@@ -169,9 +184,15 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
     torch.ones(1000).sum()
     async_norms = pending.wait()
 
-    owned_storage = {t.untyped_storage().data_ptr() for g in inner.param_groups for t in g["params"]}
-    frozen_storage = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()
-                      if not p.requires_grad}
+    owned_storage = {
+        t.untyped_storage().data_ptr() for g in inner.param_groups for t in g["params"]
+    }
+    frozen_storage = {
+        p.untyped_storage().data_ptr()
+        for c in chunks
+        for p in c.parameters()
+        if not p.requires_grad
+    }
     shares_storage = all(
         r.tensor.untyped_storage().data_ptr() in owned_storage | frozen_storage
         for r in optimizer.registry.counted
@@ -182,16 +203,22 @@ def _rank_body(layout: Layout, dist_opt: bool) -> dict[str, Any]:
         "expert": float(split.expert),
         "per_param": {k: float(v) for k, v in per_param.per_param.items()},
         "first_per_param_total": float(norms.total),
-        "async": (float(async_norms.total), float(async_norms.expert),
-                  {k: float(v) for k, v in async_norms.per_param.items()}),
+        "async": (
+            float(async_norms.total),
+            float(async_norms.expert),
+            {k: float(v) for k, v in async_norms.per_param.items()},
+        ),
         "collectives": collectives,
         "shares_storage": shares_storage,
         "shapes": shapes,
         "counted_anything": bool(optimizer.registry.counted),
         # Every per-param key this rank holds finds its record in the registry.
-        "lookups": all(optimizer.registry[r.global_name].global_name == r.global_name
-                       and r.global_name in per_param.per_param
-                       for r in optimizer.registry if r.reason != "shared"),
+        "lookups": all(
+            optimizer.registry[r.global_name].global_name == r.global_name
+            and r.global_name in per_param.per_param
+            for r in optimizer.registry
+            if r.reason != "shared"
+        ),
     }
 
 
@@ -247,8 +274,11 @@ def _build_and_wrap(layout: Layout, dist_opt: bool) -> None:
 
 
 @pytest.mark.skipif(not megatron_at_least(0, 19), reason="GTP exists since megatron-core 0.19")
-@pytest.mark.skipif(megatron_at_least(0, 20), reason="megatron-core main's distributed optimizer "
-                    "does not shard over different expert-GTP shards (ep2-egtp2-distopt runs)")
+@pytest.mark.skipif(
+    megatron_at_least(0, 20),
+    reason="megatron-core main's distributed optimizer "
+    "does not shard over different expert-GTP shards (ep2-egtp2-distopt runs)",
+)
 def test_expert_gtp_sharded_as_replicas_is_refused() -> None:
     """No exact norm exists when the distributed optimizer shards over ranks holding different
     GTP shards of a weight: a clear error on every rank, not a number."""
@@ -287,15 +317,21 @@ def test_layers_without_weight_init_are_still_split(name: str, dist_opt: bool) -
     without their ``tensor_model_parallel`` marker; the layer types still say they are split.
     Oracle: all-ones weights, so norm² = the unparallel model's element count."""
     layout = UNINITIALIZED[name]
-    shapes = run_ranks(_unparallel_shapes, 1, dataclasses.replace(layout.cfg,
-                       perform_initialization=True), ())[0]["all"]
+    shapes = run_ranks(
+        _unparallel_shapes, 1, dataclasses.replace(layout.cfg, perform_initialization=True), ()
+    )[0]["all"]
     expected = math.sqrt(sum(math.prod(shape) for shape in shapes.values()))
     results = run_ranks(_uninitialized_rank_body, layout.world, layout, dist_opt, timeout=180)
     for rank, (norm, _) in enumerate(results):
         assert norm == pytest.approx(expected, rel=REL), f"rank {rank}"
-    initialized = run_ranks(_uninitialized_rank_body, layout.world,
-                            dataclasses.replace(layout, cfg=dataclasses.replace(
-                                layout.cfg, perform_initialization=True)), dist_opt)
+    initialized = run_ranks(
+        _uninitialized_rank_body,
+        layout.world,
+        dataclasses.replace(
+            layout, cfg=dataclasses.replace(layout.cfg, perform_initialization=True)
+        ),
+        dist_opt,
+    )
     if megatron_at_least(0, 18, 2):
         # Since 0.18.2 megatron marks split weights whatever perform_initialization says; the
         # norm must (and does, above) stay exact either way.

@@ -28,8 +28,9 @@ import pytest
 from norm_optim.testing.megatron_bridge import bridge_available, import_bridge
 
 if not bridge_available():
-    pytest.skip("megatron-bridge is not installed (make test-bridge installs it)",
-                allow_module_level=True)
+    pytest.skip(
+        "megatron-bridge is not installed (make test-bridge installs it)", allow_module_level=True
+    )
 
 import_bridge()  # first (its import-time guards), and once in the parent: forked ranks inherit it
 
@@ -67,13 +68,17 @@ class _BridgeOwnNorm(Callback):  # type: ignore[misc]
         from megatron.bridge.training.utils.train_utils import calc_params_l2_norm
         from megatron.core.utils import get_model_config
 
-        norm = calc_params_l2_norm(context.model, get_model_config(context.model[0]),
-                                   use_megatron_fsdp=context.state.cfg.dist.use_megatron_fsdp)
+        norm = calc_params_l2_norm(
+            context.model,
+            get_model_config(context.model[0]),
+            use_megatron_fsdp=context.state.cfg.dist.use_megatron_fsdp,
+        )
         context.user_state.setdefault("bridge", []).append(float(norm))
 
 
-def _install(breakdown: bool = False,
-             per_param: bool = False) -> megatron_bridge.MegatronBridgeIntegration:
+def _install(
+    breakdown: bool = False, per_param: bool = False
+) -> megatron_bridge.MegatronBridgeIntegration:
     return megatron_bridge.install(breakdown=breakdown, per_param=per_param)
 
 
@@ -82,8 +87,7 @@ def _tensorboard(logdir: Path, tag: str) -> dict[int, float]:
 
     events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     events.Reload()
-    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] \
-        else {}
+    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
 
 
 def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
@@ -92,16 +96,27 @@ def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
 
     events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)}
-            for tag in events.Tags()["scalars"]}
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def _run(tmp_path: Path, world: int, breakdown: bool = False, per_param: bool = True,
-         **layout: Any) -> list[RankOutput]:
-    config = tiny_config(world_size=world, train_iters=ITERATIONS, log_interval=1, lr=0.0,
-                         seed=SEED, tensorboard_dir=str(tmp_path / "tb"), **layout)
-    return run_pretrain(config, world, callbacks=[_DeterministicWeights(), _BridgeOwnNorm()],
-                        before=lambda: _install(breakdown, per_param))
+def _run(
+    tmp_path: Path, world: int, breakdown: bool = False, per_param: bool = True, **layout: Any
+) -> list[RankOutput]:
+    config = tiny_config(
+        world_size=world,
+        train_iters=ITERATIONS,
+        log_interval=1,
+        lr=0.0,
+        seed=SEED,
+        tensorboard_dir=str(tmp_path / "tb"),
+        **layout,
+    )
+    return run_pretrain(
+        config,
+        world,
+        callbacks=[_DeterministicWeights(), _BridgeOwnNorm()],
+        before=lambda: _install(breakdown, per_param),
+    )
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -127,8 +142,11 @@ def _assert_per_param_scalars(tmp_path: Path, shapes: dict[str, tuple[int, ...]]
     """The event file holds exactly the oracle's per-param / per-layer / per-expert tags, each
     equal to the oracle at every step (TensorBoard stores float32)."""
     expected = _oracle_tags(shapes)
-    written = {tag: steps for tag, steps in _scalars(tmp_path / "tb").items()
-               if tag.startswith("params-norm/")}
+    written = {
+        tag: steps
+        for tag, steps in _scalars(tmp_path / "tb").items()
+        if tag.startswith("params-norm/")
+    }
     assert set(written) == set(expected), set(written) ^ set(expected)
     for tag, steps in written.items():
         assert sorted(steps) == list(range(1, ITERATIONS + 1)), tag
@@ -147,8 +165,11 @@ def _oracle(shapes: dict[str, tuple[int, ...]]) -> tuple[float, float, float]:
 def world1_shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The global shapes of the world-1 (unparallel) runs, dense and MoE: the oracle's input."""
     shapes = {}
-    for kind, layout in (("dense", {}), ("moe", {"num_experts": 4}),
-                         ("dense 4 layers", {"num_layers": 4})):
+    for kind, layout in (
+        ("dense", {}),
+        ("moe", {"num_experts": 4}),
+        ("dense 4 layers", {"num_layers": 4}),
+    ):
         (rank,) = _run(tmp_path_factory.mktemp("world1"), 1, **layout)
         shapes[kind] = rank.user_state["shapes"]
     return shapes
@@ -180,11 +201,17 @@ def _assert_logged_norm(tmp_path: Path, ranks: list, expected: float) -> None:
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_logged_params_norm_is_exact(name: str, world1_shapes: dict[str, Any],
-                                     tmp_path: Path) -> None:
+def test_logged_params_norm_is_exact(
+    name: str, world1_shapes: dict[str, Any], tmp_path: Path
+) -> None:
     world, layout = LAYOUTS[name]
-    kind = "moe" if layout.get("num_experts") else \
-        "dense 4 layers" if layout.get("num_layers") == 4 else "dense"
+    kind = (
+        "moe"
+        if layout.get("num_experts")
+        else "dense 4 layers"
+        if layout.get("num_layers") == 4
+        else "dense"
+    )
     expected, _, _ = _oracle(world1_shapes[kind])
     ranks = _run(tmp_path, world, **layout)
 
@@ -196,8 +223,9 @@ def test_logged_params_norm_is_exact(name: str, world1_shapes: dict[str, Any],
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_two_distributed_optimizer_instances(kind: str, world1_shapes: dict[str, Any],
-                                             tmp_path: Path) -> None:
+def test_two_distributed_optimizer_instances(
+    kind: str, world1_shapes: dict[str, Any], tmp_path: Path
+) -> None:
     """DP2 split into two distributed-optimizer instances: each instance holds a full copy of
     the fp32 shards. norm_optim counts one; Bridge's own function counts both (√2 too large)."""
     layout = {"num_distributed_optimizer_instances": 2}
@@ -210,8 +238,10 @@ def test_two_distributed_optimizer_instances(kind: str, world1_shapes: dict[str,
         assert value == pytest.approx(expected, rel=1e-6)
     _assert_per_param_scalars(tmp_path, world1_shapes[kind])
     bridge = ranks[-1].user_state["bridge"][-1]
-    print(f"\n{kind}, 2 distributed-optimizer instances: norm_optim {expected:.6f}, "
-          f"Bridge's calc_params_l2_norm {bridge:.6f} (ratio {bridge / expected:.6f})")
+    print(
+        f"\n{kind}, 2 distributed-optimizer instances: norm_optim {expected:.6f}, "
+        f"Bridge's calc_params_l2_norm {bridge:.6f} (ratio {bridge / expected:.6f})"
+    )
     assert bridge == pytest.approx(math.sqrt(2) * expected, rel=1e-5)
 
 
@@ -237,8 +267,10 @@ def test_megatron_fsdp(name: str, world1_shapes: dict[str, Any], tmp_path: Path)
     _assert_logged_norm(tmp_path, ranks, expected)
     _assert_per_param_scalars(tmp_path, world1_shapes["moe" if moe else "dense"])
     bridge = [rank.user_state["bridge"][-1] for rank in ranks]
-    print(f"\nMegatron-FSDP {name}: norm_optim {expected:.6f}, Bridge's calc_params_l2_norm "
-          f"on ranks 0..{world - 1}: {', '.join(f'{b:.6f}' for b in bridge)}")
+    print(
+        f"\nMegatron-FSDP {name}: norm_optim {expected:.6f}, Bridge's calc_params_l2_norm "
+        f"on ranks 0..{world - 1}: {', '.join(f'{b:.6f}' for b in bridge)}"
+    )
     if not moe:
         assert bridge == [pytest.approx(expected, rel=1e-5)] * world
     else:
@@ -251,16 +283,21 @@ def test_breakdown(world1_shapes: dict[str, Any], tmp_path: Path) -> None:
     total, dense, expert = _oracle(world1_shapes["moe"])
     ranks = _run(tmp_path, 2, breakdown=True, num_experts=4, ep=2)
 
-    for tag, expected in (("params-norm", total), ("params-norm-dense", dense),
-                          ("params-norm-expert", expert)):
+    for tag, expected in (
+        ("params-norm", total),
+        ("params-norm-dense", dense),
+        ("params-norm-expert", expert),
+    ):
         written = _tensorboard(tmp_path / "tb", tag)
         assert sorted(written) == list(range(1, ITERATIONS + 1)), tag
         for value in written.values():
             assert value == pytest.approx(expected, rel=1e-6), tag
     line = ranks[-1].matching(" params norm: ")[-1]
     print("\n" + line)
-    assert (f" params norm: {total:.3f} | params norm dense: {dense:.3f} | "
-            f"params norm expert: {expert:.3f} |") in line
+    assert (
+        f" params norm: {total:.3f} | params norm dense: {dense:.3f} | "
+        f"params norm expert: {expert:.3f} |"
+    ) in line
 
 
 class _CountedReads(Callback):  # type: ignore[misc]
@@ -288,26 +325,36 @@ class _CountedReads(Callback):  # type: ignore[misc]
         context.user_state["reduced at"] = self.steps
 
 
-@pytest.mark.parametrize("intervals", [
-    # (log_interval, tensorboard_log_interval, TensorBoard on): steps read, on every rank
-    pytest.param((2, 1, False), id="print every 2nd, no writer"),
-    pytest.param((2, 1, True), id="print every 2nd, TensorBoard every step"),
-    pytest.param((3, 2, True), id="print every 3rd, TensorBoard every 2nd"),
-])
-def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool],
-                                       tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "intervals",
+    [
+        # (log_interval, tensorboard_log_interval, TensorBoard on): steps read, on every rank
+        pytest.param((2, 1, False), id="print every 2nd, no writer"),
+        pytest.param((2, 1, True), id="print every 2nd, TensorBoard every step"),
+        pytest.param((3, 2, True), id="print every 3rd, TensorBoard every 2nd"),
+    ],
+)
+def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool], tmp_path: Path) -> None:
     """The norm (one all-reduce, per-param norms included) is computed at exactly the
     iterations whose log prints or writes it, on every rank alike (the print and the writer are
     on the last rank only)."""
     log_interval, tensorboard_interval, tensorboard = intervals
     iterations = 4
     counter = _CountedReads()
-    config = tiny_config(world_size=2, pp=2, train_iters=iterations, log_interval=log_interval,
-                         tensorboard_log_interval=tensorboard_interval,
-                         tensorboard_dir=str(tmp_path / "tb") if tensorboard else None)
-    ranks = run_pretrain(config, 2, callbacks=[counter],
-                         before=lambda: megatron_bridge.install(comm=counter.comm,
-                                                                 per_param=True))
+    config = tiny_config(
+        world_size=2,
+        pp=2,
+        train_iters=iterations,
+        log_interval=log_interval,
+        tensorboard_log_interval=tensorboard_interval,
+        tensorboard_dir=str(tmp_path / "tb") if tensorboard else None,
+    )
+    ranks = run_pretrain(
+        config,
+        2,
+        callbacks=[counter],
+        before=lambda: megatron_bridge.install(comm=counter.comm, per_param=True),
+    )
 
     steps = range(1, iterations + 1)
     printed = [s for s in steps if s % log_interval == 0]
@@ -320,8 +367,9 @@ def test_norm_is_read_only_when_logged(intervals: tuple[int, int, bool],
         assert sorted(_tensorboard(tmp_path / "tb", "params-norm")) == written
 
 
-@pytest.mark.parametrize("writer", [None, "tensorboard_dir", "wandb_project", "mlflow_experiment",
-                                    "comet_project"])
+@pytest.mark.parametrize(
+    "writer", [None, "tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project"]
+)
 def test_log_reads_params_norm(writer: str | None) -> None:
     """Prints at ``log_interval``; writes at ``tensorboard_log_interval`` only where a writer is
     configured (Bridge creates them on the last rank from these fields)."""
@@ -334,18 +382,25 @@ def test_log_reads_params_norm(writer: str | None) -> None:
     assert read == ([3, 4, 6, 8, 9, 12] if writer else [4, 8, 12])
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param({"num_experts": 4, "ep": 2}, id="MoE EP2 distributed optimizer"),
-    pytest.param({"megatron_fsdp": True}, id="dense DP2 Megatron-FSDP"),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"num_experts": 4, "ep": 2}, id="MoE EP2 distributed optimizer"),
+        pytest.param({"megatron_fsdp": True}, id="dense DP2 Megatron-FSDP"),
+    ],
+)
 def test_norm_follows_training(layout: dict[str, Any], tmp_path: Path) -> None:
     """With a learning rate, the logged norm moves; it equals Bridge's own value at every step
     (on layouts where Bridge's function is right)."""
     iterations = 3
-    config = tiny_config(world_size=2, train_iters=iterations, lr=1e-2,
-                         tensorboard_dir=str(tmp_path / "tb"), **layout)
-    ranks = run_pretrain(config, 2, callbacks=[_BridgeOwnNorm()],
-                         before=megatron_bridge.install)
+    config = tiny_config(
+        world_size=2,
+        train_iters=iterations,
+        lr=1e-2,
+        tensorboard_dir=str(tmp_path / "tb"),
+        **layout,
+    )
+    ranks = run_pretrain(config, 2, callbacks=[_BridgeOwnNorm()], before=megatron_bridge.install)
 
     written = _tensorboard(tmp_path / "tb", "params-norm")
     bridge = ranks[-1].user_state["bridge"]
@@ -363,8 +418,13 @@ def test_optimizer_config_in_a_recipe(world1_shapes: dict[str, Any], tmp_path: P
     """Without install(): ``norm_aware_optimizer_config`` in the recipe makes Bridge's own
     ``setup_optimizer`` return the wrapper (through ``provide``), for callbacks to read."""
     expected, _, _ = _oracle(world1_shapes["dense"])
-    config = tiny_config(world_size=2, train_iters=ITERATIONS, lr=0.0, seed=SEED,
-                         num_distributed_optimizer_instances=2)
+    config = tiny_config(
+        world_size=2,
+        train_iters=ITERATIONS,
+        lr=0.0,
+        seed=SEED,
+        num_distributed_optimizer_instances=2,
+    )
     config.optimizer = megatron_bridge.norm_aware_optimizer_config(config.optimizer)
     ranks = run_pretrain(config, 2, callbacks=[_DeterministicWeights(), _ReadInCallback()])
 
@@ -432,9 +492,11 @@ def test_install_uninstall_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     integration.uninstall()  # twice is fine
 
     monkeypatch.delattr(train, "training_log")
-    with pytest.raises(megatron_bridge.MegatronBridgeVersionError,
-                       match=r"megatron-bridge 0\.6\.\d+ on megatron-core \S+ has no "
-                             r"train\.training_log;"):
+    with pytest.raises(
+        megatron_bridge.MegatronBridgeVersionError,
+        match=r"megatron-bridge 0\.6\.\d+ on megatron-core \S+ has no "
+        r"train\.training_log;",
+    ):
         megatron_bridge.install()
 
 
@@ -474,8 +536,14 @@ def test_plot_of_a_real_run(tmp_path: Path) -> None:
     from norm_optim import plot
 
     iterations, top = 4, 3
-    config = tiny_config(world_size=2, train_iters=iterations, lr=1e-2, num_experts=4, ep=2,
-                         tensorboard_dir=str(tmp_path / "tb"))
+    config = tiny_config(
+        world_size=2,
+        train_iters=iterations,
+        lr=1e-2,
+        num_experts=4,
+        ep=2,
+        tensorboard_dir=str(tmp_path / "tb"),
+    )
     run_pretrain(config, 2, before=lambda: megatron_bridge.install(per_param=True))
     out = tmp_path / "norms.png"
     assert plot.main([str(tmp_path / "tb"), "-o", str(out), "--top", str(top)]) == 0
@@ -485,13 +553,19 @@ def test_plot_of_a_real_run(tmp_path: Path) -> None:
     data = plot.load_norms(tmp_path / "tb", top_k=top)
     steps = list(range(1, iterations + 1))
     assert data.steps == steps
-    layers = {tag.removeprefix("params-norm/layer/"): values for tag, values in logged.items()
-              if tag.startswith("params-norm/layer/")}
+    layers = {
+        tag.removeprefix("params-norm/layer/"): values
+        for tag, values in logged.items()
+        if tag.startswith("params-norm/layer/")
+    }
     assert set(data.layers) == set(layers) == {"0", "1"}
     for layer, values in data.layers.items():
         assert values == [layers[layer][s] for s in steps]
-    params = {tag.removeprefix("params-norm/param/"): values for tag, values in logged.items()
-              if tag.startswith("params-norm/param/")}
+    params = {
+        tag.removeprefix("params-norm/param/"): values
+        for tag, values in logged.items()
+        if tag.startswith("params-norm/param/")
+    }
     ratios = {name: v[iterations] / v[1] for name, v in params.items() if v[1] > 0}
     assert list(data.growing) == sorted(ratios, key=lambda n: (-ratios[n], n))[:top]
     for name, (got_steps, values) in data.growing.items():
@@ -503,6 +577,9 @@ def test_plot_refuses_a_run_without_per_param_norms(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from norm_optim import plot
 
-    with pytest.raises(ValueError, match=r"no params-norm/layer/<layer> scalars under .*"
-                                         r"install\(per_param=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no params-norm/layer/<layer> scalars under .*"
+        r"install\(per_param=True\)",
+    ):
         plot.load_norms(tmp_path)

@@ -41,8 +41,10 @@ TIMEOUT = 120.0
 
 def _fsdp_options(layout: Layout) -> dict[str, Any]:
     """``build_fsdp_model`` keyword arguments: frozen params, and hybrid FSDP's instances."""
-    hybrid = dict(num_distributed_optimizer_instances=layout.instances,
-                  outer_dp_sharding_strategy=layout.outer_dp_sharding)
+    hybrid = dict(
+        num_distributed_optimizer_instances=layout.instances,
+        outer_dp_sharding_strategy=layout.outer_dp_sharding,
+    )
     return dict(freeze=layout.freeze, **(hybrid if layout.instances > 1 else {}))
 
 
@@ -64,8 +66,10 @@ def _unparallel_shapes(cfg: TinyGPTConfig, freeze: tuple[str, ...]) -> dict[str,
     """Rank body: the same model on one rank, no parallelism, plain DDP (the oracle's shapes)."""
     init_parallel()
     chunks = build_model(cfg, freeze=freeze)
-    return {"all": global_param_shapes(chunks, trainable_only=False),
-            "trainable": global_param_shapes(chunks, trainable_only=True)}
+    return {
+        "all": global_param_shapes(chunks, trainable_only=False),
+        "trainable": global_param_shapes(chunks, trainable_only=True),
+    }
 
 
 def _scale_main_shards(optimizer: Any, factor: float) -> None:
@@ -97,9 +101,13 @@ def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
     total = float(optimizer.param_l2_norm())
     split = optimizer.param_l2_norms()
     per_param = optimizer.param_l2_norms(per_param=True)
-    return {"total": total, "dense": float(split.dense), "expert": float(split.expert),
-            "per_param": {k: float(v) for k, v in per_param.per_param.items()},
-            "collectives": counting.all_reduces / 3}
+    return {
+        "total": total,
+        "dense": float(split.dense),
+        "expert": float(split.expert),
+        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
+        "collectives": counting.all_reduces / 3,
+    }
 
 
 def _dcp_state_dict(chunk: Any, num_experts: int | None) -> dict[str, Any]:
@@ -175,8 +183,9 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     _fill(chunks, inner, SEED_A)
     got["init"] = _read(optimizer, counting)
     own = _own_buffers(chunks)
-    got["views_of_buffers"] = all(r.tensor.untyped_storage().data_ptr() in own
-                                  for r in optimizer.registry.counted)
+    got["views_of_buffers"] = all(
+        r.tensor.untyped_storage().data_ptr() in own for r in optimizer.registry.counted
+    )
     got["counted_numel"] = optimizer.registry.counted_numel
 
     registry = optimizer.registry
@@ -198,8 +207,9 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["before_load"] = float(optimizer.param_l2_norm())
     dcp.load(_dcp_state_dict(chunks[0], layout.cfg.num_experts), checkpoint_id=directory)
     got["after_load"] = _read(optimizer, counting)
-    got["without_frozen"] = float(NormAwareOptimizer(inner, model=chunks, count_frozen=False)
-                                  .param_l2_norm())
+    got["without_frozen"] = float(
+        NormAwareOptimizer(inner, model=chunks, count_frozen=False).param_l2_norm()
+    )
     # Megatron-LM's own function on the same weights (it reads the DTensors' local tensors).
     got["megatron"] = _megatron_norm(chunks)
 
@@ -237,8 +247,9 @@ def _run(name: str) -> tuple[dict[str, Any], ...]:
 def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
     assert got["total"] == pytest.approx(expected["total"], rel=REL), what
     assert got["expert"] == pytest.approx(expected["expert"], rel=REL, abs=1e-12), what
-    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(expected["total"] ** 2,
-                                                                   rel=REL), what
+    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(
+        expected["total"] ** 2, rel=REL
+    ), what
     assert set(got["per_param"]) == set(expected["per_param"]), f"{what}: per-param names"
     for param_name, value in got["per_param"].items():
         assert value == pytest.approx(expected["per_param"][param_name], rel=REL), param_name
@@ -255,21 +266,28 @@ def _megatron_version() -> tuple[int, ...]:
 BUILDS_FSDP = pytest.mark.skipif(
     _megatron_version() < (0, 15),
     reason="Megatron-FSDP of megatron-core 0.14 reads torch's _MeshEnv.child_to_root_mapping "
-           "(megatron_fsdp/utils.py get_mesh_names), which this torch no longer has")
+    "(megatron_fsdp/utils.py get_mesh_names), which this torch no longer has",
+)
 # Megatron-FSDP with experts (MoE, EP or not).
 BUILDS_MOE_FSDP = pytest.mark.skipif(
     (0, 15) <= _megatron_version() < (0, 16),
     reason="Megatron-FSDP of megatron-core 0.15 calls FSDPDistributedIndex.get_expert_dp_group "
-           "for any model with experts (megatron_fsdp.py), which 0.15 does not define")
-FROZEN_BEFORE_0_17 = ("Megatron-FSDP of megatron-core 0.16 cannot build a model with frozen "
-                      "params (test_megatron_0_16_fsdp_cannot_freeze pins it)")
+    "for any model with experts (megatron_fsdp.py), which 0.15 does not define",
+)
+FROZEN_BEFORE_0_17 = (
+    "Megatron-FSDP of megatron-core 0.16 cannot build a model with frozen "
+    "params (test_megatron_0_16_fsdp_cannot_freeze pins it)"
+)
 
 
 @BUILDS_FSDP
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[BUILDS_MOE_FSDP] if layout.cfg.num_experts else [])
-    for n, layout in LAYOUTS.items()
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[BUILDS_MOE_FSDP] if layout.cfg.num_experts else [])
+        for n, layout in LAYOUTS.items()
+    ],
+)
 def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
     layout = LAYOUTS[name]
     if layout.freeze and (0, 16) <= _megatron_version() < (0, 17):
@@ -301,8 +319,11 @@ def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
 def _needs_megatron_training() -> None:
     from norm_optim._versions import megatron_core_version_string
 
-    pytest.importorskip("megatron.training", reason=f"{megatron_core_version_string()} ships no "
-                        "megatron.training (Megatron-LM's calc_params_l2_norm; since 0.17)")
+    pytest.importorskip(
+        "megatron.training",
+        reason=f"{megatron_core_version_string()} ships no "
+        "megatron.training (Megatron-LM's calc_params_l2_norm; since 0.17)",
+    )
 
 
 EP_LAYOUTS = [n for n, layout in LAYOUTS.items() if layout.ep > 1]
@@ -332,7 +353,6 @@ def test_megatron_calc_params_l2_norm_is_exact_on_dense() -> None:
         assert got["megatron"] == pytest.approx(expected, rel=1e-5)
 
 
-
 @BUILDS_FSDP
 def test_megatron_0_16_fsdp_cannot_freeze() -> None:
     """Pins the reason of the skip above: in 0.16.1, ``MegatronFSDP._register_fsdp_hooks``
@@ -340,8 +360,9 @@ def test_megatron_0_16_fsdp_cannot_freeze() -> None:
     drop the skip."""
     if _megatron_version()[:2] != (0, 16):
         pytest.skip("megatron-core 0.15 and >= 0.17 build Megatron-FSDP with frozen params")
-    with pytest.raises(RankFailedError, match="cannot register a hook on a tensor that doesn't "
-                                              "require gradient"):
+    with pytest.raises(
+        RankFailedError, match="cannot register a hook on a tensor that doesn't require gradient"
+    ):
         run_ranks(_build_only, 2, dict(freeze=("embedding.*",)), timeout=TIMEOUT)
 
 
@@ -369,11 +390,18 @@ def _pipeline_body() -> dict[str, str]:
         errors["builder"] = str(exc)
     config = transformer_config(SMALL)
     ddp_config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
-        use_distributed_optimizer=True, gradient_reduce_div_fusion=False)
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        use_distributed_optimizer=True,
+        gradient_reduce_div_fusion=False,
+    )
     try:  # megatron itself, bypassing the builder's check
-        FullyShardedDataParallel(config, ddp_config, Float16Module(config,
-                                 build_chunk(SMALL, config, None)), device=torch.device("cpu"))
+        FullyShardedDataParallel(
+            config,
+            ddp_config,
+            Float16Module(config, build_chunk(SMALL, config, None)),
+            device=torch.device("cpu"),
+        )
     except Exception as exc:  # noqa: BLE001 - whatever megatron raises is the finding
         errors["megatron"] = f"{type(exc).__name__}: {exc}"
 
@@ -448,16 +476,27 @@ def _patches_body() -> list[bool]:
 
     from norm_optim.testing._internal.megatron_fsdp_patches import install_megatron_fsdp_cpu_patches
 
-    originals = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh,
-                 torch.cuda.get_rng_state, getattr(adapter, "TELinear", None))
+    originals = (
+        megatron_fsdp.MegatronFSDP.__init__,
+        adapter.DeviceMesh,
+        torch.cuda.get_rng_state,
+        getattr(adapter, "TELinear", None),
+    )
     handle = install_megatron_fsdp_cpu_patches()
     again = install_megatron_fsdp_cpu_patches()
     patched = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh, torch.cuda.get_rng_state)
     handle.uninstall()
-    restored = (megatron_fsdp.MegatronFSDP.__init__, adapter.DeviceMesh,
-                torch.cuda.get_rng_state, getattr(adapter, "TELinear", None))
-    return [again is handle, all(p is not o for p, o in zip(patched, originals)),
-            all(r is o for r, o in zip(restored, originals))]
+    restored = (
+        megatron_fsdp.MegatronFSDP.__init__,
+        adapter.DeviceMesh,
+        torch.cuda.get_rng_state,
+        getattr(adapter, "TELinear", None),
+    )
+    return [
+        again is handle,
+        all(p is not o for p, o in zip(patched, originals)),
+        all(r is o for r, o in zip(restored, originals)),
+    ]
 
 
 def test_cpu_patches_are_idempotent_and_reversible() -> None:

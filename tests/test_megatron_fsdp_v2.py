@@ -66,8 +66,10 @@ def _unparallel_shapes(cfg: TinyGPTConfig, freeze: tuple[str, ...]) -> dict[str,
     """Rank body: the same model on one rank, no parallelism, plain DDP (the oracle's shapes)."""
     init_parallel()
     chunks = build_model(cfg, freeze=freeze)
-    return {"all": global_param_shapes(chunks, trainable_only=False),
-            "trainable": global_param_shapes(chunks, trainable_only=True)}
+    return {
+        "all": global_param_shapes(chunks, trainable_only=False),
+        "trainable": global_param_shapes(chunks, trainable_only=True),
+    }
 
 
 def _fill(chunks: list, optimizer: Any, seed: int) -> None:
@@ -92,9 +94,13 @@ def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
     total = float(optimizer.param_l2_norm())
     split = optimizer.param_l2_norms()
     per_param = optimizer.param_l2_norms(per_param=True)
-    return {"total": total, "dense": float(split.dense), "expert": float(split.expert),
-            "per_param": {k: float(v) for k, v in per_param.per_param.items()},
-            "collectives": counting.all_reduces / 3}
+    return {
+        "total": total,
+        "dense": float(split.dense),
+        "expert": float(split.expert),
+        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
+        "collectives": counting.all_reduces / 3,
+    }
 
 
 def _move_main_weights(chunks: list) -> None:
@@ -135,14 +141,17 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     inner = build_optimizer(chunks, lr=1e-2, clip_grad=0.0 if layout.ep > 1 else 1.0)
     counting = Counting()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=counting)
-    got: dict[str, Any] = {"shapes": global_param_shapes(chunks, trainable_only=False),
-                           "optimizer": type(inner).__name__}
+    got: dict[str, Any] = {
+        "shapes": global_param_shapes(chunks, trainable_only=False),
+        "optimizer": type(inner).__name__,
+    }
 
     _fill(chunks, inner, SEED_A)
     got["init"] = _read(optimizer, counting)
     own = _own_buffers(chunks)
-    got["views_of_buffers"] = all(r.tensor.untyped_storage().data_ptr() in own
-                                  for r in optimizer.registry.counted)
+    got["views_of_buffers"] = all(
+        r.tensor.untyped_storage().data_ptr() in own for r in optimizer.registry.counted
+    )
     got["counted_numel"] = optimizer.registry.counted_numel
     got["sources"] = sorted({str(r.source) for r in optimizer.registry})
     got["megatron"] = _megatron_norm(chunks)  # the same weights
@@ -154,8 +163,9 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     got["rebuilt_by_steps"] = optimizer.registry is not registry
     _fill(chunks, inner, SEED_A)
     got["after_steps"] = _read(optimizer, counting)
-    got["without_frozen"] = float(NormAwareOptimizer(inner, model=chunks, count_frozen=False)
-                                  .param_l2_norm())
+    got["without_frozen"] = float(
+        NormAwareOptimizer(inner, model=chunks, count_frozen=False).param_l2_norm()
+    )
 
     registry = optimizer.registry
     _move_main_weights(chunks)
@@ -190,8 +200,9 @@ def _run(name: str) -> tuple[dict[str, Any], ...]:
 def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
     assert got["total"] == pytest.approx(expected["total"], rel=REL), what
     assert got["expert"] == pytest.approx(expected["expert"], rel=REL, abs=1e-12), what
-    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(expected["total"] ** 2,
-                                                                   rel=REL), what
+    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(
+        expected["total"] ** 2, rel=REL
+    ), what
     assert set(got["per_param"]) == set(expected["per_param"]), f"{what}: per-param names"
     for param_name, value in got["per_param"].items():
         assert value == pytest.approx(expected["per_param"][param_name], rel=REL), param_name
@@ -276,15 +287,20 @@ def _patches_body() -> list[bool]:
     from norm_optim.testing._internal.megatron_fsdp_patches import install_megatron_fsdp_cpu_patches
 
     def v2() -> tuple:
-        return (adapter.fully_shard_context, module.FsdpContext.current_stream,
-                dbuffer.DBuffer.__init__)
+        return (
+            adapter.fully_shard_context,
+            module.FsdpContext.current_stream,
+            dbuffer.DBuffer.__init__,
+        )
 
     originals = v2()
     handle = install_megatron_fsdp_cpu_patches()
     patched = v2()
     handle.uninstall()
-    return [all(p is not o for p, o in zip(patched, originals)),
-            all(r is o for r, o in zip(v2(), originals))]
+    return [
+        all(p is not o for p, o in zip(patched, originals)),
+        all(r is o for r, o in zip(v2(), originals)),
+    ]
 
 
 def test_v2_cpu_patches_are_reversible() -> None:

@@ -33,13 +33,17 @@ def _skip_reason() -> str | None:
     try:
         from megatron.training import argument_utils, training
     except ImportError:
-        return (f"{version} has no megatron.training (Megatron-LM's loop ships "
-                f"in the wheel since 0.17)")
+        return (
+            f"{version} has no megatron.training (Megatron-LM's loop ships in the wheel since 0.17)"
+        )
 
-    if (next(iter(inspect.signature(training.pretrain).parameters)) != "cfg_container"
-            or not hasattr(argument_utils, "gpt_config_from_args")):  # 0.17 / 0.18
-        return (f"{version}: the pretrain() runner of norm_optim.testing.megatron_lm drives "
-                f"the 0.19 API (pretrain(cfg_container, ...), gpt_config_from_args)")
+    if next(
+        iter(inspect.signature(training.pretrain).parameters)
+    ) != "cfg_container" or not hasattr(argument_utils, "gpt_config_from_args"):  # 0.17 / 0.18
+        return (
+            f"{version}: the pretrain() runner of norm_optim.testing.megatron_lm drives "
+            f"the 0.19 API (pretrain(cfg_container, ...), gpt_config_from_args)"
+        )
     return None
 
 
@@ -78,8 +82,9 @@ class CountingCommunicator(TorchCommunicator):
         return super().all_gather_object(obj, group)
 
 
-def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
-         megatron_reference: bool = False) -> dict:
+def _run(
+    argv_options: dict, *, install: dict | None, fill: bool = True, megatron_reference: bool = False
+) -> dict:
     """One rank of a ``pretrain`` run; returns what this rank saw.
 
     Spies (applied before ``install()``, so they sit inside its wrappers): after
@@ -105,8 +110,13 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
     )
     from norm_optim._patching import Patch, patches_applied
 
-    seen: dict[str, Any] = {"logged": [], "all_reduces": [], "others": [], "reference": [],
-                            "values": []}
+    seen: dict[str, Any] = {
+        "logged": [],
+        "all_reduces": [],
+        "others": [],
+        "reference": [],
+        "values": [],
+    }
     setup, training_log = training.setup_model_and_optimizer, training.training_log
     comm = CountingCommunicator()
     model_holder: list = []
@@ -119,7 +129,8 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         shapes = global_param_shapes(model)
         seen["oracle"] = oracle_norm(shapes, SEED)
         seen["oracle_expert"] = oracle_norm(
-            {n: s for n, s in shapes.items() if ".mlp.experts." in n}, SEED)
+            {n: s for n, s in shapes.items() if ".mlp.experts." in n}, SEED
+        )
         seen["oracle_sums"] = oracle_sum_of_squares(shapes, SEED)
         model_holder.append(model)
         return model, optimizer, scheduler
@@ -139,15 +150,18 @@ def _run(argv_options: dict, *, install: dict | None, fill: bool = True,
         return training_log(*args, **kwargs)
 
     writer = RecordingSummaryWriter()
-    patches = [Patch(training, "setup_model_and_optimizer", setup_spy),
-               Patch(training, "training_log", training_log_spy),
-               *recording_tensorboard_patches(writer)]
+    patches = [
+        Patch(training, "setup_model_and_optimizer", setup_spy),
+        Patch(training, "training_log", training_log_spy),
+        *recording_tensorboard_patches(writer),
+    ]
     with patches_applied(patches), contextlib.ExitStack() as stack:
         if install is not None:
             stack.enter_context(megatron_lm.install(comm=comm, **install))
         result = pretrain_gpt(tiny_gpt_args(**argv_options))
-    seen["printed"] = [float(m.group(1)) for line in result.log_lines
-                       for m in [_PRINTED.search(line)] if m]
+    seen["printed"] = [
+        float(m.group(1)) for line in result.log_lines for m in [_PRINTED.search(line)] if m
+    ]
     seen["log_lines"] = result.log_lines
     seen["scalars"] = writer.scalars
     return seen
@@ -178,8 +192,12 @@ def _assert_serves_oracle(results: list[dict], iterations: int = 3) -> dict:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROWING = re.compile(r" \| fastest-growing params: ((?:\S+ x[0-9.]+(?:, )?)+) \|")
-TENSORBOARD = ("--tensorboard-dir", "unused-by-the-recording-writer",
-               "--tensorboard-log-interval", "1")
+TENSORBOARD = (
+    "--tensorboard-dir",
+    "unused-by-the-recording-writer",
+    "--tensorboard-log-interval",
+    "1",
+)
 
 
 def _oracle_rollups(sums: dict[str, float]) -> dict[str, float]:
@@ -202,10 +220,14 @@ def _assert_per_param_scalars(last: dict, steps: Any) -> None:
     to the oracle (TensorBoard gets float64 values here: rel 1e-6 holds)."""
     expected = _oracle_rollups(last["oracle_sums"])
     assert any(tag.startswith("params-norm/expert/") for tag in expected) == (
-        last["oracle_expert"] > 0)
+        last["oracle_expert"] > 0
+    )
     for step in steps:
-        written = {tag: value for tag, value, s in last["scalars"]
-                   if s == step and tag.startswith("params-norm/")}
+        written = {
+            tag: value
+            for tag, value, s in last["scalars"]
+            if s == step and tag.startswith("params-norm/")
+        }
         assert set(written) == set(expected), set(written) ^ set(expected)
         for tag, value in written.items():
             assert value == pytest.approx(expected[tag], rel=REL), tag
@@ -222,7 +244,8 @@ def _assert_growing_field(last: dict, names: set[str]) -> None:
         shown = [item.rsplit(" x", 1) for item in field.group(1).split(", ")]
         assert len(shown) == 3 and {name for name, _ in shown} <= names, shown
         assert [(n, float(r)) for n, r in shown] == [
-            (n, pytest.approx(r, abs=1e-4)) for n, r in value.growing]
+            (n, pytest.approx(r, abs=1e-4)) for n, r in value.growing
+        ]
 
 
 LAYOUTS = {  # name: (world size, tiny_gpt_args options)
@@ -238,8 +261,13 @@ def test_pretrain_logs_the_oracle_norm(layout: str) -> None:
     """The total, and with ``per_param`` every per-param / per-layer / per-expert scalar, equal
     the oracle at every iteration; the log line names the fastest-growing params."""
     world, options = LAYOUTS[layout]
-    results = run_ranks(_run, world, dict(options, lr=0.0, extra=TENSORBOARD),
-                        install=dict(per_param=True), timeout=TIMEOUT)
+    results = run_ranks(
+        _run,
+        world,
+        dict(options, lr=0.0, extra=TENSORBOARD),
+        install=dict(per_param=True),
+        timeout=TIMEOUT,
+    )
     last = _assert_serves_oracle(results)
     _assert_per_param_scalars(last, steps=(1, 2, 3))
     _assert_growing_field(last, set(last["oracle_sums"]))
@@ -258,8 +286,7 @@ def test_pretrain_with_torch_fsdp2_logs_the_oracle_norm(layout: str) -> None:
     FSDP2 does."""
     world, layout_options = TORCH_FSDP2_LAYOUTS[layout]
     dp = world // layout_options.get("tp", 1)
-    options = dict(layout_options, lr=0.0, use_distributed_optimizer=False,
-                   extra=TORCH_FSDP2[1:])
+    options = dict(layout_options, lr=0.0, use_distributed_optimizer=False, extra=TORCH_FSDP2[1:])
     fsdp2 = dict(options, extra=TORCH_FSDP2)
     plain = _last(run_ranks(_run, world, fsdp2, install=None, timeout=TIMEOUT))
     for printed, (_, logged) in zip(plain["printed"], plain["logged"]):
@@ -284,23 +311,35 @@ def test_two_distributed_optimizer_instances() -> None:
         assert abs(printed - plain["oracle"]) > 1.0  # visibly wrong in Megatron's own log
 
     options["extra"] = TENSORBOARD
-    last = _assert_serves_oracle(run_ranks(_run, 4, options, install=dict(per_param=True),
-                                           timeout=TIMEOUT))
+    last = _assert_serves_oracle(
+        run_ranks(_run, 4, options, install=dict(per_param=True), timeout=TIMEOUT)
+    )
     _assert_per_param_scalars(last, steps=(1, 2, 3))
 
 
 @needs_loop
 def test_breakdown_in_log_line_and_tensorboard() -> None:
-    options = dict(tp=2, ep=2, num_experts=4, lr=0.0,
-                   extra=("--tensorboard-dir", "unused-by-the-recording-writer",
-                          "--tensorboard-log-interval", "1"))
+    options = dict(
+        tp=2,
+        ep=2,
+        num_experts=4,
+        lr=0.0,
+        extra=(
+            "--tensorboard-dir",
+            "unused-by-the-recording-writer",
+            "--tensorboard-log-interval",
+            "1",
+        ),
+    )
     results = run_ranks(_run, 4, options, install=dict(breakdown=True), timeout=TIMEOUT)
     last = _assert_serves_oracle(results)
     total, expert = last["oracle"], last["oracle_expert"]
     dense = math.sqrt(total**2 - expert**2)
     line = last["log_lines"][0]
-    assert (f" params norm: {total:.3f} | params norm dense: {dense:.3f} | "
-            f"params norm expert: {expert:.3f} |") in line, line
+    assert (
+        f" params norm: {total:.3f} | params norm dense: {dense:.3f} | "
+        f"params norm expert: {expert:.3f} |"
+    ) in line, line
     scalars = {(tag, step): value for tag, value, step in last["scalars"]}
     for step in (1, 2, 3):
         assert scalars[("params-norm", step)] == pytest.approx(total, rel=REL)
@@ -317,11 +356,26 @@ def test_norm_is_read_only_when_logged() -> None:
     2 and 4, written to TensorBoard (last rank) at 3; iteration 5 reads nothing. lr > 0, so the
     value follows training; on DP2 it equals Megatron's own ``calc_params_l2_norm``.
     """
-    options = dict(lr=1e-2, train_iters=5, log_interval=2,
-                   extra=("--tensorboard-dir", "unused-by-the-recording-writer",
-                          "--tensorboard-log-interval", "3"))
-    results = run_ranks(_run, 2, options, install=dict(per_param=True), fill=False,
-                        megatron_reference=True, timeout=TIMEOUT)
+    options = dict(
+        lr=1e-2,
+        train_iters=5,
+        log_interval=2,
+        extra=(
+            "--tensorboard-dir",
+            "unused-by-the-recording-writer",
+            "--tensorboard-log-interval",
+            "3",
+        ),
+    )
+    results = run_ranks(
+        _run,
+        2,
+        options,
+        install=dict(per_param=True),
+        fill=False,
+        megatron_reference=True,
+        timeout=TIMEOUT,
+    )
     for seen in results:  # every rank decides alike
         assert [it for it, _ in seen["logged"]] == [1, 2, 3, 4, 5]
         assert [v is not None for _, v in seen["logged"]] == [True, True, True, True, False]
@@ -341,8 +395,9 @@ def test_norm_is_read_only_when_logged() -> None:
     written = [(step, value) for tag, value, step in last["scalars"] if tag == "params-norm"]
     assert written == [(3, pytest.approx(values[3], rel=REL))]
     # The per-param scalars, written at 3 only, add up to the total.
-    per_param = [value for tag, value, step in last["scalars"]
-                 if tag.startswith("params-norm/param/")]
+    per_param = [
+        value for tag, value, step in last["scalars"] if tag.startswith("params-norm/param/")
+    ]
     assert math.sqrt(math.fsum(v * v for v in per_param)) == pytest.approx(values[3], rel=REL)
     assert {step for tag, _, step in last["scalars"] if tag.startswith("params-norm/")} == {3}
 
@@ -358,8 +413,10 @@ RESUMES = {
     # Megatron-LM's default format, the whole optimizer state. (Not with the distributed
     # optimizer: building its sharded state dict to load into asserts one Adam 'step' over the
     # torch.optim.Adam state, which a run that has not stepped yet does not have.)
-    "float16-optimizer-torch-dist": (dict(use_distributed_optimizer=False,
-                                          ckpt_format="torch_dist"), ()),
+    "float16-optimizer-torch-dist": (
+        dict(use_distributed_optimizer=False, ckpt_format="torch_dist"),
+        (),
+    ),
 }
 
 
@@ -371,16 +428,32 @@ def test_save_and_resume(tmp_path: Any, resume: str) -> None:
     options, load_flags = dict(RESUMES[resume][0]), RESUMES[resume][1]
     ckpt_format = options.pop("ckpt_format", "torch")
     save = ["--save", str(tmp_path), "--save-interval", "2", "--ckpt-format", ckpt_format]
-    first = run_ranks(_run, 2, dict(options, lr=0.0, train_iters=2, extra=save), install={},
-                      timeout=TIMEOUT)
+    first = run_ranks(
+        _run, 2, dict(options, lr=0.0, train_iters=2, extra=save), install={}, timeout=TIMEOUT
+    )
     _assert_serves_oracle(first, iterations=2)
     # The LR schedule of the longer resumed run differs from the saved one's (lr stays 0), and
     # the inference RNG tracker (CPU_FLAGS: no CUDA RNG) saves no tracker states, which
     # load_checkpoint refuses unless --no-load-rng.
-    load = ["--load", str(tmp_path), "--ckpt-format", ckpt_format, "--override-opt-param-scheduler",
-            "--no-load-rng", *load_flags]
-    resumed = _last(run_ranks(_run, 2, dict(options, lr=0.0, train_iters=4, extra=load),
-                              install={}, fill=False, timeout=TIMEOUT))
+    load = [
+        "--load",
+        str(tmp_path),
+        "--ckpt-format",
+        ckpt_format,
+        "--override-opt-param-scheduler",
+        "--no-load-rng",
+        *load_flags,
+    ]
+    resumed = _last(
+        run_ranks(
+            _run,
+            2,
+            dict(options, lr=0.0, train_iters=4, extra=load),
+            install={},
+            fill=False,
+            timeout=TIMEOUT,
+        )
+    )
     oracle = _last(first)["oracle"]
     assert [it for it, _ in resumed["logged"]] == [3, 4]
     for _, value in resumed["logged"]:
@@ -411,8 +484,11 @@ def test_install_refuses_an_unknown_loop(monkeypatch: Any) -> None:
     from norm_optim.integrations.megatron_lm import MegatronLMVersionError, install
 
     monkeypatch.setattr(training, "training_log", lambda loss_dict, iteration: None)
-    with pytest.raises(MegatronLMVersionError, match=r"of megatron-core \S+ has no "
-                       r"training_log\(params_norm=...\)"):
+    with pytest.raises(
+        MegatronLMVersionError,
+        match=r"of megatron-core \S+ has no "
+        r"training_log\(params_norm=...\)",
+    ):
         install()
 
 
@@ -435,16 +511,20 @@ def test_uninstall_restores_megatron_functions() -> None:
 
 
 @needs_loop
-@pytest.mark.parametrize("iteration, first, tensorboard, expected", [
-    (5, True, None, True),      # the first iteration of a run always prints
-    (10, False, None, True),    # log interval
-    (15, False, None, False),
-    (15, False, "tb", False),
-    (12, False, "tb", True),    # TensorBoard interval, on every rank alike
-    (12, False, None, False),   # no --tensorboard-dir: nothing writes it
-])
-def test_log_reads_params_norm(iteration: int, first: bool, tensorboard: str | None,
-                               expected: bool) -> None:
+@pytest.mark.parametrize(
+    "iteration, first, tensorboard, expected",
+    [
+        (5, True, None, True),  # the first iteration of a run always prints
+        (10, False, None, True),  # log interval
+        (15, False, None, False),
+        (15, False, "tb", False),
+        (12, False, "tb", True),  # TensorBoard interval, on every rank alike
+        (12, False, None, False),  # no --tensorboard-dir: nothing writes it
+    ],
+)
+def test_log_reads_params_norm(
+    iteration: int, first: bool, tensorboard: str | None, expected: bool
+) -> None:
     from argparse import Namespace
 
     from norm_optim.integrations.megatron_lm import log_reads_params_norm
@@ -460,4 +540,5 @@ def test_breakdown_value_is_the_total_float() -> None:
     value = ParamsNormWithBreakdown(5.0, 3.0, 4.0)
     assert value == 5.0 and float(value) == 5.0
     assert f" params norm: {value:.3f} |" == (
-        " params norm: 5.000 | params norm dense: 3.000 | params norm expert: 4.000 |")
+        " params norm: 5.000 | params norm dense: 3.000 | params norm expert: 4.000 |"
+    )

@@ -38,8 +38,9 @@ from norm_optim.testing.mimo import (
 from norm_optim.testing.oracle import oracle_sum_of_squares
 
 pytestmark = pytest.mark.skipif(
-    not has_mimo(), reason="this megatron-core has no MimoOptimizer or no HyperCommGrid.register_view "
-    "(the test kit builds MIMO grids with both: 0.19+)"
+    not has_mimo(),
+    reason="this megatron-core has no MimoOptimizer or no HyperCommGrid.register_view "
+    "(the test kit builds MIMO grids with both: 0.19+)",
 )
 
 SEED_A, SEED_B = 7, 8
@@ -51,10 +52,12 @@ LAYOUTS = {
     # Non-colocated: each rank runs the encoder or the language model.
     "enc1-lm1": MimoLayout(2, ModuleGrid(0), ModuleGrid(1)),
     "enc-dp2-lm-tp2": MimoLayout(4, ModuleGrid(0, dp=2), ModuleGrid(2, tp=2)),
-    "enc-tp2-lm-dp2-distopt": MimoLayout(4, ModuleGrid(0, tp=2), ModuleGrid(2, dp=2),
-                                         use_distributed_optimizer=True),
-    "enc-dp2-frozen-lm-tp2": MimoLayout(4, ModuleGrid(0, dp=2), ModuleGrid(2, tp=2),
-                                        freeze=(ENCODER,)),
+    "enc-tp2-lm-dp2-distopt": MimoLayout(
+        4, ModuleGrid(0, tp=2), ModuleGrid(2, dp=2), use_distributed_optimizer=True
+    ),
+    "enc-dp2-frozen-lm-tp2": MimoLayout(
+        4, ModuleGrid(0, dp=2), ModuleGrid(2, tp=2), freeze=(ENCODER,)
+    ),
     # Colocated: both modules on the same ranks, with different TP / DP.
     "colocated-enc-dp2-lm-tp2": MimoLayout(2, ModuleGrid(0, dp=2), ModuleGrid(0, tp=2)),
 }
@@ -76,9 +79,14 @@ def _oracle_name(name: str) -> str:
 def _optimizer_config(layout: MimoLayout) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16,
-                           use_distributed_optimizer=layout.use_distributed_optimizer,
-                           clip_grad=1.0)
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=1e-2,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=layout.use_distributed_optimizer,
+        clip_grad=1.0,
+    )
 
 
 def _fill(model: Any, optimizer: Any, seed: int) -> None:
@@ -92,9 +100,12 @@ def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
     counting.all_reduces = 0
     total = float(optimizer.param_l2_norm())
     per_param = optimizer.param_l2_norms(per_param=True)
-    return {"total": total, "expert": float(per_param.expert),
-            "per_param": {_oracle_name(k): float(v) for k, v in per_param.per_param.items()},
-            "collectives": counting.all_reduces / 2}
+    return {
+        "total": total,
+        "expert": float(per_param.expert),
+        "per_param": {_oracle_name(k): float(v) for k, v in per_param.per_param.items()},
+        "collectives": counting.all_reduces / 2,
+    }
 
 
 def _synthetic_step(model: Any, optimizer: Any) -> None:
@@ -140,19 +151,23 @@ def _rank_body(layout: MimoLayout, global_state: bool) -> dict[str, Any]:
     inner = get_megatron_optimizer(_optimizer_config(layout), [model])
     counting = Counting()
     optimizer = NormAwareOptimizer(inner, model=model, comm=counting)
-    got: dict[str, Any] = {"optimizer": type(inner).__name__,
-                           "modules": sorted(name for name, _, _ in mimo_modules(model))}
+    got: dict[str, Any] = {
+        "optimizer": type(inner).__name__,
+        "modules": sorted(name for name, _, _ in mimo_modules(model)),
+    }
     _fill(model, inner, SEED_A)
     got["init"] = _read(optimizer, counting)
     registry = optimizer.registry
     got["seen"] = sorted({_oracle_name(r.global_name).split(".")[0] for r in registry})
     owned = {p.untyped_storage().data_ptr() for g in inner.param_groups for p in g["params"]}
     owned |= {p.untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad}
-    got["own_tensors"] = all(r.tensor.untyped_storage().data_ptr() in owned
-                             for r in registry.counted)
+    got["own_tensors"] = all(
+        r.tensor.untyped_storage().data_ptr() in owned for r in registry.counted
+    )
     got["counted_numel"] = registry.counted_numel
-    got["without_frozen"] = float(NormAwareOptimizer(inner, model=model, count_frozen=False)
-                                  .param_l2_norm())
+    got["without_frozen"] = float(
+        NormAwareOptimizer(inner, model=model, count_frozen=False).param_l2_norm()
+    )
 
     if global_state:
         got["megatron"] = _megatron_norm(model)
@@ -166,8 +181,10 @@ def _rank_body(layout: MimoLayout, global_state: bool) -> dict[str, Any]:
 
 def _unparallel_shapes() -> dict[str, dict]:
     model = build_mimo_model(UNPARALLEL)
-    return {"all": mimo_param_shapes(model),
-            "trainable": mimo_param_shapes(model, trainable_only=True)}
+    return {
+        "all": mimo_param_shapes(model),
+        "trainable": mimo_param_shapes(model, trainable_only=True),
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,8 +208,9 @@ def _oracle(seed: int, freeze: tuple[str, ...]) -> dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def _run(name: str) -> tuple[dict[str, Any], ...]:
     layout = LAYOUTS[name]
-    return tuple(run_ranks(_rank_body, layout.world, layout, name == WITH_GLOBAL_STATE,
-                           timeout=TIMEOUT))
+    return tuple(
+        run_ranks(_rank_body, layout.world, layout, name == WITH_GLOBAL_STATE, timeout=TIMEOUT)
+    )
 
 
 def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
@@ -217,8 +235,10 @@ def test_mimo_norm_matches_unparallel_oracle(name: str) -> None:
         where = f"rank {rank}"
         assert got["optimizer"] == "MimoOptimizer"
         expected_modules = sorted(
-            m for m, grid in ((ENCODER, layout.encoder), ("language", layout.language))
-            if rank in _grid_ranks(grid))
+            m
+            for m, grid in ((ENCODER, layout.encoder), ("language", layout.language))
+            if rank in _grid_ranks(grid)
+        )
         assert got["modules"] == expected_modules, f"{where} holds other modules"
         assert got["seen"] == expected_modules, f"{where}: a module outside its grid was read"
         _check_read(got["init"], a, f"{where}, at init")
@@ -237,8 +257,9 @@ def test_megatron_calc_params_l2_norm_is_wrong_on_mimo() -> None:
     expected = _oracle(SEED_A, ())["total"]
     results = _run(WITH_GLOBAL_STATE)
     assert all(got["init"]["total"] == pytest.approx(expected, rel=REL) for got in results)
-    assert all(got["megatron"] != pytest.approx(expected, rel=1e-3) for got in results), \
-        [got["megatron"] for got in results]
+    assert all(got["megatron"] != pytest.approx(expected, rel=1e-3) for got in results), [
+        got["megatron"] for got in results
+    ]
 
 
 def _subgroup_body() -> str:

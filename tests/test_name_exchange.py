@@ -31,8 +31,9 @@ LAYOUTS = {
     "moe-ep2-dp2-2instances": Layout(4, SMALL_MOE, ep=2, instances=2),
     "moe-tp2-pp2-ep2": Layout(8, MOE, tp=2, pp=2, ep=2),
     # MoE layers on the second stage only: the stages' lists differ in size (uneven PP).
-    "moe-pp2-ep2-uneven": Layout(4, dataclasses.replace(MOE, moe_layer_freq=(0, 0, 0, 1)),
-                                 pp=2, ep=2),
+    "moe-pp2-ep2-uneven": Layout(
+        4, dataclasses.replace(MOE, moe_layer_freq=(0, 0, 0, 1)), pp=2, ep=2
+    ),
 }
 
 
@@ -62,8 +63,9 @@ def _counting_patches(traffic: Traffic) -> list[Patch]:
 
     broadcast, all_gather = c10d.broadcast, c10d.all_gather
 
-    def counted_broadcast(tensor: torch.Tensor, src: int | None = None,
-                          group: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def counted_broadcast(
+        tensor: torch.Tensor, src: int | None = None, group: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
         # torch calls it with a global ``src`` or (2.6+, from broadcast_object_list) ``group_src``
         group_src = kwargs.get("group_src")
         root = src == dist.get_rank() if group_src is None else group_src == dist.get_rank(group)
@@ -73,15 +75,18 @@ def _counting_patches(traffic: Traffic) -> list[Patch]:
             traffic.received += tensor.nbytes
         return broadcast(tensor, src, group, *args, **kwargs)
 
-    def counted_all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, *args: Any,
-                           **kwargs: Any) -> Any:
+    def counted_all_gather(
+        tensors: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         traffic.sent += tensor.nbytes
         traffic.received += sum(t.nbytes for t in tensors)
         return all_gather(tensors, tensor, *args, **kwargs)
 
-    return [Patch(module, name, function) for module in (dist, c10d)
-            for name, function in (("broadcast", counted_broadcast),
-                                   ("all_gather", counted_all_gather))]
+    return [
+        Patch(module, name, function)
+        for module in (dist, c10d)
+        for name, function in (("broadcast", counted_broadcast), ("all_gather", counted_all_gather))
+    ]
 
 
 def _rank_body(layout: Layout) -> dict[str, Any]:
@@ -91,8 +96,11 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     from norm_optim._norm import local_names
 
     init_parallel(**layout.parallel())
-    chunks = build_model(layout.cfg, use_distributed_optimizer=True,
-                         num_distributed_optimizer_instances=layout.instances)
+    chunks = build_model(
+        layout.cfg,
+        use_distributed_optimizer=True,
+        num_distributed_optimizer_instances=layout.instances,
+    )
     optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
     mine = local_names(optimizer.registry)
     traffic = Traffic()
@@ -103,8 +111,12 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     naive = Traffic()
     with patches_applied(_counting_patches(naive)):  # what the exchange replaced
         dist.all_gather_object(everyone, mine)
-    return {"names": list(norms.per_param), "everyone": everyone, "traffic": traffic,
-            "naive": naive}
+    return {
+        "names": list(norms.per_param),
+        "everyone": everyone,
+        "traffic": traffic,
+        "naive": naive,
+    }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -142,11 +154,18 @@ def test_benchmark_table_at_small_worlds() -> None:
 def test_simulated_world_sends_each_distinct_list_once() -> None:
     """A world of 16 ranks: 2 pipeline stages x 2 expert ranks x 4 replicas. One gather of the
     digests, then one broadcast per distinct dense list (2) and expert list (4)."""
+
     def names(rank: int) -> list[tuple[str, bool]]:
         stage, expert_rank = rank // 8, rank % 2
         dense = [(f"decoder.layers.{stage}.self_attention.linear_qkv.weight", False)]
-        experts = [(f"decoder.layers.{stage}.mlp.experts.local_experts.{2 * expert_rank + e}."
-                    "linear_fc1.weight", True) for e in range(2)]
+        experts = [
+            (
+                f"decoder.layers.{stage}.mlp.experts.local_experts.{2 * expert_rank + e}."
+                "linear_fc1.weight",
+                True,
+            )
+            for e in range(2)
+        ]
         return sorted(dense + experts)
 
     lists = [names(r) for r in range(16)]
@@ -155,7 +174,13 @@ def test_simulated_world_sends_each_distinct_list_once() -> None:
         got, traffic, calls = simulate(lists, rank)
         assert got == union
         assert calls == 1 + 2 + 4
-        speaks = [part for part, speaker in speakers(torch.stack(
-            [digests(names, torch.device("cpu")) for names in lists])) if speaker == rank]
+        speaks = [
+            part
+            for part, speaker in speakers(
+                torch.stack([digests(names, torch.device("cpu")) for names in lists])
+            )
+            if speaker == rank
+        ]
         assert traffic.sent == 16 + sum(
-            8 + len(pickle.dumps(name_parts(lists[rank])[part])) for part in speaks)
+            8 + len(pickle.dumps(name_parts(lists[rank])[part])) for part in speaks
+        )

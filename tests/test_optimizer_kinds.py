@@ -34,7 +34,10 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
-from tests.support.precision_aware_standin import PrecisionAwareAdamStandIn, build_precision_aware_optimizer
+from tests.support.precision_aware_standin import (
+    PrecisionAwareAdamStandIn,
+    build_precision_aware_optimizer,
+)
 
 SEED = 11
 STEPS = 2
@@ -49,8 +52,11 @@ def _config(**fields: Any) -> Any:
 
     fields.setdefault("bf16", True)
     return OptimizerConfig(
-        optimizer="adam", lr=1e-2, clip_grad=1.0,
-        params_dtype=torch.bfloat16 if fields["bf16"] else torch.float32, **fields,
+        optimizer="adam",
+        lr=1e-2,
+        clip_grad=1.0,
+        params_dtype=torch.bfloat16 if fields["bf16"] else torch.float32,
+        **fields,
     )
 
 
@@ -93,10 +99,15 @@ def _hybrid(chunks: list, precision_aware: bool) -> Any:
     try:
         # megatron-core 0.14 has no decoupled_weight_decay: its offloaded Adam is always AdamW.
         adamw = {"decoupled_weight_decay": True} if megatron_at_least(0, 15) else {}
-        config = _config(use_distributed_optimizer=True, optimizer_cpu_offload=True,
-                         optimizer_offload_fraction=1.0, pin_cpu_grads=False,
-                         pin_cpu_params=False, use_precision_aware_optimizer=precision_aware,
-                         **adamw)
+        config = _config(
+            use_distributed_optimizer=True,
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=1.0,
+            pin_cpu_grads=False,
+            pin_cpu_params=False,
+            use_precision_aware_optimizer=precision_aware,
+            **adamw,
+        )
     finally:
         mp.undo()
     return get_megatron_optimizer(config, chunks)
@@ -116,7 +127,9 @@ def _layer_wise(chunks: list) -> Any:
         # FP32Optimizer / Float16 leaves).
         leaves = [leaf.optimizer for leaf in leaves]
     config.bf16 = True
-    return LayerWiseDistributedOptimizer(leaves, config, ProcessGroupCollection.use_mpu_process_groups())
+    return LayerWiseDistributedOptimizer(
+        leaves, config, ProcessGroupCollection.use_mpu_process_groups()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +160,9 @@ KINDS = {
     "hybrid-offload-precision-aware-dp2": Kind(DP2, build="hybrid-pa"),
     "precision-aware-standin-dp2": Kind(DP2, build="precision_aware", reloads=False),
     "precision-aware-standin-tp2-dp2": Kind(TP2_DP2, build="precision_aware", reloads=False),
-    "precision-aware-remainders-tp2-dp2": Kind(TP2_DP2, build="precision_aware_remainders",
-                                                reloads=False),
+    "precision-aware-remainders-tp2-dp2": Kind(
+        TP2_DP2, build="precision_aware_remainders", reloads=False
+    ),
 }
 
 
@@ -190,7 +204,10 @@ def _reference_tensors(optimizer: Any) -> list[tuple[torch.Tensor, torch.Tensor,
                     if isinstance(inner, HybridDeviceOptimizer):
                         # The CPU copy its CPU sub-optimizer steps (bf16 shards: the fp32 copy).
                         updated = inner.param_to_inner_param[shard]
-                    elif isinstance(inner, PrecisionAwareAdamStandIn) and shard.dtype != torch.float32:
+                    elif (
+                        isinstance(inner, PrecisionAwareAdamStandIn)
+                        and shard.dtype != torch.float32
+                    ):
                         updated = inner.get_unscaled_state(shard, "master_param")
                     else:
                         updated = shard
@@ -237,10 +254,17 @@ def _kind_body(kind: Kind) -> dict[str, Any]:
             assert ok
             norms.append(float(optimizer.param_l2_norm()))
             references.append(_reference_norm(inner, kind.build == "layer_wise"))
-        result = {"norms": norms, "references": references,
-                  "leaves": sorted({type(getattr(leaf, "optimizer", leaf)).__name__
-                                    for leaf in getattr(inner, "chained_optimizers", [inner])}),
-                  "sources": sorted({r.source for r in optimizer.registry.counted})}
+        result = {
+            "norms": norms,
+            "references": references,
+            "leaves": sorted(
+                {
+                    type(getattr(leaf, "optimizer", leaf)).__name__
+                    for leaf in getattr(inner, "chained_optimizers", [inner])
+                }
+            ),
+            "sources": sorted({r.source for r in optimizer.registry.counted}),
+        }
         if kind.reloads:
             fill_deterministic_(chunks, SEED, optimizer=optimizer)
             result["filled"] = float(optimizer.param_l2_norm())
@@ -262,9 +286,12 @@ def _kinds() -> list[Any]:
     """KINDS, each skipped with the reason where this megatron-core lacks the optimizer."""
     lacks_layer_wise = pytest.mark.skipif(
         not megatron_at_least(0, 16),
-        reason="LayerWiseDistributedOptimizer exists since megatron-core 0.16")
-    return [pytest.param(name, marks=[lacks_layer_wise] if kind.build == "layer_wise" else [])
-            for name, kind in KINDS.items()]
+        reason="LayerWiseDistributedOptimizer exists since megatron-core 0.16",
+    )
+    return [
+        pytest.param(name, marks=[lacks_layer_wise] if kind.build == "layer_wise" else [])
+        for name, kind in KINDS.items()
+    ]
 
 
 @pytest.mark.parametrize("name", _kinds())
@@ -308,8 +335,11 @@ def _plain_torch_dp_body() -> dict:
     model(torch.randn(3, 6)).sum().backward()
     optimizer.step()
     local = math.sqrt(sum(float(p.double().pow(2).sum()) for p in model.parameters()))
-    return {"norm": float(optimizer.param_l2_norm()), "local": local,
-            "reasons": sorted({str(r.reason) for r in optimizer.registry})}
+    return {
+        "norm": float(optimizer.param_l2_norm()),
+        "local": local,
+        "reasons": sorted({str(r.reason) for r in optimizer.registry}),
+    }
 
 
 def test_plain_torch_optimizer_replicated_over_dp_is_counted_once() -> None:

@@ -16,7 +16,13 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import RecordingCommunicator
-from tests.support.mocked_state import TinyMoE, float16_optimizer, mocked_ranks, oracle, single_process
+from tests.support.mocked_state import (
+    TinyMoE,
+    float16_optimizer,
+    mocked_ranks,
+    oracle,
+    single_process,
+)
 
 pytestmark = single_process
 
@@ -117,15 +123,23 @@ def test_dtensor_replica_axes_and_mesh_checks() -> None:
     from norm_optim._vocabulary import NotCounted
 
     def reason(replica_coords: tuple[int, ...]) -> object:
-        return why_not_counted(expert=False, tp_split=True, replicated=False, coords=RankCoords(),
-                               tied_copy=False, replica_coords=replica_coords)
+        return why_not_counted(
+            expert=False,
+            tp_split=True,
+            replicated=False,
+            coords=RankCoords(),
+            tied_copy=False,
+            replica_coords=replica_coords,
+        )
 
     assert reason(()) is None and reason((0, 0)) is None
     assert reason((1,)) is NotCounted.MESH_REPLICA and reason((0, 1)) is NotCounted.MESH_REPLICA
-    coords = RankCoords(tp_peers=frozenset({0, 1}), dp_cp_peers=frozenset({0, 2}),
-                        expert_dp_peers=frozenset({0, 2, 4, 6}))
+    coords = RankCoords(
+        tp_peers=frozenset({0, 1}),
+        dp_cp_peers=frozenset({0, 2}),
+        expert_dp_peers=frozenset({0, 2, 4, 6}),
+    )
     assert mesh_conflict(frozenset({0, 2}), expert=False, coords=coords) is None
-    assert "tensor-parallel" in mesh_conflict(frozenset({0, 1, 2, 3}), expert=False,
-                                              coords=coords)
+    assert "tensor-parallel" in mesh_conflict(frozenset({0, 1, 2, 3}), expert=False, coords=coords)
     assert "ranks [4, 6]" in mesh_conflict(frozenset({0, 2}), expert=True, coords=coords)
     assert mesh_conflict(frozenset({0, 1}), expert=False, coords=RankCoords()) is None  # unknown

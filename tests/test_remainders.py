@@ -18,7 +18,11 @@ import torch
 from norm_optim._kernels import RemainderMaster, SumOfSquaresPlan
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, train_step
-from tests.support.precision_aware_standin import build_precision_aware_optimizer, join_master, split_master
+from tests.support.precision_aware_standin import (
+    build_precision_aware_optimizer,
+    join_master,
+    split_master,
+)
 
 SEED = 3
 STEPS = 2
@@ -66,10 +70,32 @@ def _decoded(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 # Zeros, subnormals, the remainder's sign bit, carries into the exponent, the largest finite value
 # (its high half rounds to bf16 inf), infinities and NaNs (whose increment wraps around).
 EDGES = [
-    0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x00007FFF, 0x00008000, 0x0000FFFF,
-    0x807FFFFF, 0x3F800000, 0xBF800000, 0x3F807FFF, 0x3F808000, 0x3F808001, 0x3F80FFFF,
-    0xBF80FFFF, 0x3FFFFFFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
-    0x7FC00000, 0x7FFF8000, 0x7FFFFFFF, 0xFFFFFFFF, 0xFFFF7FFF,
+    0x00000000,
+    0x80000000,
+    0x00000001,
+    0x80000001,
+    0x00007FFF,
+    0x00008000,
+    0x0000FFFF,
+    0x807FFFFF,
+    0x3F800000,
+    0xBF800000,
+    0x3F807FFF,
+    0x3F808000,
+    0x3F808001,
+    0x3F80FFFF,
+    0xBF80FFFF,
+    0x3FFFFFFF,
+    0x7F7F8000,
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x7F800000,
+    0xFF800000,
+    0x7FC00000,
+    0x7FFF8000,
+    0x7FFFFFFF,
+    0xFFFFFFFF,
+    0xFFFF7FFF,
 ]
 
 
@@ -88,8 +114,11 @@ def test_round_trip_is_bit_exact_for_every_kind_of_value() -> None:
     every_pattern = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), generator=g, dtype=torch.int64)
     # Signed values from subnormal (1e-45) to overflowing magnitudes, and subnormals only.
     wide = torch.randn(1 << 20, generator=g) * torch.logspace(-45, 38, 1 << 20)
-    samples = [every_pattern.to(torch.int32).view(torch.float32), wide,
-               torch.randn(1 << 16, generator=g) * 1e-40]
+    samples = [
+        every_pattern.to(torch.int32).view(torch.float32),
+        wide,
+        torch.randn(1 << 16, generator=g) * 1e-40,
+    ]
     for master in samples:
         high, remainder = split_master(master)
         assert torch.equal(join_master(high, remainder).view(torch.int32), master.view(torch.int32))
@@ -141,7 +170,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-7) -> N
 
 
 @pytest.mark.parametrize(
-    "sizes", [[5_000_001], [1, 3, 255, 256, 257], [70_000, 131_072, 131_073, 4096] * 3],
+    "sizes",
+    [[5_000_001], [1, 3, 255, 256, 257], [70_000, 131_072, 131_073, 4096] * 3],
     ids=["large", "tiny", "around-blocks"],
 )
 def test_sums_per_slot_equal_those_of_the_fp32_masters(sizes: list[int]) -> None:
@@ -246,11 +276,20 @@ def _end_to_end_body() -> dict[str, Any]:
     for step in range(STEPS):
         assert train_step(chunks, optimizer, seed=step)[0]
         squares, nonzero, gap = _remainder_reference(inner)
-        steps.append({"norm": float(optimizer.param_l2_norm()), "nonzero": nonzero, "gap": gap,
-                      "reference": math.sqrt(squares)})
+        steps.append(
+            {
+                "norm": float(optimizer.param_l2_norm()),
+                "nonzero": nonzero,
+                "gap": gap,
+                "reference": math.sqrt(squares),
+            }
+        )
     counted = optimizer.registry.counted
-    return {"steps": steps, "sources": sorted({r.source for r in counted}),
-            "repr": next(repr(r) for r in counted if r.source == "master-remainder-shard")}
+    return {
+        "steps": steps,
+        "sources": sorted({r.source for r in counted}),
+        "repr": next(repr(r) for r in counted if r.source == "master-remainder-shard"),
+    }
 
 
 def test_norm_of_remainder_masters_on_real_ranks() -> None:

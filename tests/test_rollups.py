@@ -12,22 +12,26 @@ from norm_optim.integrations._common import LoggedParamsNorm, ParamsNormWithBrea
 from norm_optim._megatron.naming import expert_of, layer_of, natural_key
 
 
-@pytest.mark.parametrize("name, layer, expert", [
-    ("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight", "3", "3.5"),
-    ("decoder.layers.12.mlp.experts.linear_fc2.weight17", "12", "12.17"),  # TE grouped GEMM
-    ("decoder.layers.12.mlp.experts.linear_fc1.bias3", "12", "12.3"),
-    ("decoder.layers.0.mlp.experts.weight1", "0", None),  # legacy GroupedMLP: all experts
-    ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", "1", None),
-    ("decoder.layers.1.mlp.router.weight", "1", None),
-    ("decoder.layers.10.self_attention.linear_qkv.weight", "10", None),
-    ("embedding.word_embeddings.weight", None, None),
-    ("decoder.final_layernorm.weight", None, None),
-    ("output_layer.weight", None, None),
-    ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "mtp.0", None),
-    ("vision_model.decoder.layers.2.mlp.linear_fc1.weight", "vision_model.decoder.2", None),
-])
-def test_layer_and_expert_of_a_global_name(name: str, layer: str | None,
-                                           expert: str | None) -> None:
+@pytest.mark.parametrize(
+    "name, layer, expert",
+    [
+        ("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight", "3", "3.5"),
+        ("decoder.layers.12.mlp.experts.linear_fc2.weight17", "12", "12.17"),  # TE grouped GEMM
+        ("decoder.layers.12.mlp.experts.linear_fc1.bias3", "12", "12.3"),
+        ("decoder.layers.0.mlp.experts.weight1", "0", None),  # legacy GroupedMLP: all experts
+        ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", "1", None),
+        ("decoder.layers.1.mlp.router.weight", "1", None),
+        ("decoder.layers.10.self_attention.linear_qkv.weight", "10", None),
+        ("embedding.word_embeddings.weight", None, None),
+        ("decoder.final_layernorm.weight", None, None),
+        ("output_layer.weight", None, None),
+        ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "mtp.0", None),
+        ("vision_model.decoder.layers.2.mlp.linear_fc1.weight", "vision_model.decoder.2", None),
+    ],
+)
+def test_layer_and_expert_of_a_global_name(
+    name: str, layer: str | None, expert: str | None
+) -> None:
     assert layer_of(name) == layer
     assert expert_of(name) == expert
 
@@ -42,9 +46,12 @@ def test_logged_value_formats_the_fields_it_has() -> None:
     assert f"{LoggedParamsNorm(5.0):.3f}" == "5.000"
     assert f"{LoggedParamsNorm(5.0, growing=growing):.3f}" == (
         "5.000 | fastest-growing params: decoder.layers.1.mlp.linear_fc1.weight x1.0123, "
-        "output_layer.weight x1.0000")
+        "output_layer.weight x1.0000"
+    )
     value = ParamsNormWithBreakdown(5.0, 3.0, 4.0, growing[:1])
     assert float(value) == 5.0
-    assert f"{value:.2f}" == ("5.00 | params norm dense: 3.00 | params norm expert: 4.00 | "
-                              "fastest-growing params: decoder.layers.1.mlp.linear_fc1.weight "
-                              "x1.0123")
+    assert f"{value:.2f}" == (
+        "5.00 | params norm dense: 3.00 | params norm expert: 4.00 | "
+        "fastest-growing params: decoder.layers.1.mlp.linear_fc1.weight "
+        "x1.0123"
+    )

@@ -43,10 +43,12 @@ LAYOUTS = {
     "tp2-pp2": Layout(4, SINKS, tp=2, pp=2),
     # Sinks in the MTP layer too, on a last stage whose sharded_state_dict megatron 0.19.2
     # cannot build (the declarations are then read module by module).
-    "mtp-tp2-pp2": Layout(4, dataclasses.replace(MTP, num_layers=2, softmax_type="learnable"),
-                          tp=2, pp=2),
-    "hybrid-tp2-ep2": Layout(4, dataclasses.replace(HYBRID, softmax_type="learnable"),
-                             tp=2, ep=2, etp=1),
+    "mtp-tp2-pp2": Layout(
+        4, dataclasses.replace(MTP, num_layers=2, softmax_type="learnable"), tp=2, pp=2
+    ),
+    "hybrid-tp2-ep2": Layout(
+        4, dataclasses.replace(HYBRID, softmax_type="learnable"), tp=2, ep=2, etp=1
+    ),
 }
 # Where Megatron's own function is wrong by the sinks alone (on the MTP stage it also counts
 # the unused output weight: too high).
@@ -55,12 +57,18 @@ ONLY_SINKS_MISSED = {"tp2-dp2", "tp2-ep2", "tp2-pp2", "hybrid-tp2-ep2"}
 # declares the split.
 FSDP_LAYOUTS = {"tp2-dp2", "tp2-ep2"}
 _FSDP_BEFORE_019 = pytest.mark.skipif(
-    not megatron_at_least(0, 19), reason="before megatron-core 0.19 norm_optim cannot read a "
+    not megatron_at_least(0, 19),
+    reason="before megatron-core 0.19 norm_optim cannot read a "
     "Megatron-FSDP model's declarations (megatron's own would gather its DTensors): the sinks "
-    "fall back to the markers there, and the registry notes it on every record")
+    "fall back to the markers there, and the registry notes it on every record",
+)
 CASES = [
-    pytest.param(name, kind, id=f"{name}-{kind}",
-                 marks=layout.marks() + ([_FSDP_BEFORE_019] if kind == "megatron-fsdp" else []))
+    pytest.param(
+        name,
+        kind,
+        id=f"{name}-{kind}",
+        marks=layout.marks() + ([_FSDP_BEFORE_019] if kind == "megatron-fsdp" else []),
+    )
     for name, layout in LAYOUTS.items()
     for kind in ("distopt", "fp16opt", "megatron-fsdp")
     if kind != "megatron-fsdp" or name in FSDP_LAYOUTS
@@ -92,24 +100,36 @@ def _rank_body(layout: Layout, kind: str) -> dict[str, Any]:
 
     init_parallel(**layout.parallel())
     fsdp = kind == "megatron-fsdp"
-    chunks = (build_fsdp_model(layout.cfg, seed=SEED) if fsdp else
-              build_model(layout.cfg, use_distributed_optimizer=kind == "distopt", seed=SEED))
+    chunks = (
+        build_fsdp_model(layout.cfg, seed=SEED)
+        if fsdp
+        else build_model(layout.cfg, use_distributed_optimizer=kind == "distopt", seed=SEED)
+    )
     inner = build_optimizer(chunks)
     fill_deterministic_(chunks, SEED, optimizer=inner)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     # (Megatron-FSDP's original params have no storage of their own between steps: the DDP
     # cases show the values, the fill is the same.)
-    sinks = {} if fsdp else {name: param.detach().double().tolist()
-                             for name, param in named_global_parameters(chunks)
-                             if name.endswith(SINK)}
+    sinks = (
+        {}
+        if fsdp
+        else {
+            name: param.detach().double().tolist()
+            for name, param in named_global_parameters(chunks)
+            if name.endswith(SINK)
+        }
+    )
     return {
         "norm": float(optimizer.param_l2_norm()),
         "megatron": _megatron_norm(chunks, fsdp),
         "shapes": global_param_shapes(chunks),
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "sinks": sinks,
-        "sink_records": [(r.tp_split, str(r.split_from), r.note)
-                         for r in optimizer.registry if r.name.endswith(SINK)],
+        "sink_records": [
+            (r.tp_split, str(r.split_from), r.note)
+            for r in optimizer.registry
+            if r.name.endswith(SINK)
+        ],
     }
 
 
@@ -124,7 +144,8 @@ def test_learnable_sinks_counted_exactly(name: str, kind: str) -> None:
     # What counting each sink on TP rank 0 only gives: the first num_heads / TP values.
     first_part = (layout.cfg.num_attention_heads // layout.tp,)
     missed = math.fsum(sums[n] for n in sink_names) - math.fsum(
-        oracle_sum_of_squares({n: first_part for n in sink_names}, SEED).values())
+        oracle_sum_of_squares({n: first_part for n in sink_names}, SEED).values()
+    )
     assert missed > 0
 
     results = run_ranks(_rank_body, layout.world, layout, kind, timeout=240)
@@ -146,5 +167,7 @@ def test_learnable_sinks_counted_exactly(name: str, kind: str) -> None:
     # The test can fail: each TP rank holds different sink values.
     assert all(by_tp[0][n] != by_tp[1][n] for n in by_tp[0])
     assert by_tp[0] or kind == "megatron-fsdp"
-    print(f"\n{name} {kind}: norm_optim {results[0]['norm']:.6f}, exact {expected:.6f}, "
-          f"Megatron's calc_params_l2_norm {results[0]['megatron']}")
+    print(
+        f"\n{name} {kind}: norm_optim {results[0]['norm']:.6f}, exact {expected:.6f}, "
+        f"Megatron's calc_params_l2_norm {results[0]['megatron']}"
+    )

@@ -29,6 +29,7 @@ from tests.support.precision_aware_standin import build_precision_aware_optimize
 SEED = 5
 REL = 1e-7  # the CPU kernel accumulates rows of 256 in fp32 (~2e-8)
 
+
 def _load_state_dict_body(dist_opt: bool, through_wrapper: bool) -> dict:
     init_parallel()
     chunks = build_model(SMALL, use_distributed_optimizer=dist_opt, seed=SEED)
@@ -61,12 +62,20 @@ def _load_state_dict_body(dist_opt: bool, through_wrapper: bool) -> dict:
 
 
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["wrapper", "inner"])
-@pytest.mark.parametrize("dist_opt", [
-    pytest.param(True, id="distopt", marks=pytest.mark.skipif(
-        not megatron_at_least(0, 15),
-        reason="the dp_reshardable parameter state exists since megatron-core 0.15")),
-    pytest.param(False, id="fp16opt"),
-])
+@pytest.mark.parametrize(
+    "dist_opt",
+    [
+        pytest.param(
+            True,
+            id="distopt",
+            marks=pytest.mark.skipif(
+                not megatron_at_least(0, 15),
+                reason="the dp_reshardable parameter state exists since megatron-core 0.15",
+            ),
+        ),
+        pytest.param(False, id="fp16opt"),
+    ],
+)
 def test_load_state_dict_and_parameter_state(dist_opt: bool, through_wrapper: bool) -> None:
     for got in run_ranks(_load_state_dict_body, 2, dist_opt, through_wrapper):
         assert got["saved"] == pytest.approx(got["oracle1"], rel=REL)
@@ -103,13 +112,20 @@ def _offload_body(dist_opt: bool, through_wrapper: bool) -> dict:
     norm = float(optimizer.param_l2_norm())
     train_step(chunks, optimizer, seed=3)  # the optimizer keeps stepping the new tensors
     stepped = sum(float(m.double().pow(2).sum()) for g in inner.param_groups for m in g["params"])
-    return {"oracle": oracle, "norm": norm, "released": released,
-            "counted_after_step": float(optimizer.param_l2_norm()), "stepped": stepped}
+    return {
+        "oracle": oracle,
+        "norm": norm,
+        "released": released,
+        "counted_after_step": float(optimizer.param_l2_norm()),
+        "stepped": stepped,
+    }
 
 
-@pytest.mark.skipif(not megatron_at_least(0, 16),
-                    reason="the optimizers' offload_to_cpu exists since megatron-core 0.15, and "
-                           "there logs with a `logging` that optimizer.py does not import")
+@pytest.mark.skipif(
+    not megatron_at_least(0, 16),
+    reason="the optimizers' offload_to_cpu exists since megatron-core 0.15, and "
+    "there logs with a `logging` that optimizer.py does not import",
+)
 @pytest.mark.parametrize("through_wrapper", [True, False], ids=["wrapper", "inner"])
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
 def test_offload_swapped_storage_is_followed(dist_opt: bool, through_wrapper: bool) -> None:
@@ -141,14 +157,21 @@ def _precision_aware_reload_body(remainders: bool) -> dict:
         if "master_param" in values:
             values["master_param"].mul_(2.0)
     te_adam.load_state_dict(state)
-    masters = [te_adam.get_unscaled_state(p, "master_param")
-               for p, m in te_adam.state.items() if "master_param" in m]
+    masters = [
+        te_adam.get_unscaled_state(p, "master_param")
+        for p, m in te_adam.state.items()
+        if "master_param" in m
+    ]
     fp32_shards = [s for g in leaf.shard_fp32_groups for s in g]
-    total = torch.tensor([sum(float(m.double().pow(2).sum()) for m in masters + fp32_shards)],
-                         dtype=torch.float64)
+    total = torch.tensor(
+        [sum(float(m.double().pow(2).sum()) for m in masters + fp32_shards)], dtype=torch.float64
+    )
     torch.distributed.all_reduce(total)
-    return {"before": before, "after": float(optimizer.param_l2_norm()),
-            "reference": math.sqrt(float(total))}
+    return {
+        "before": before,
+        "after": float(optimizer.param_l2_norm()),
+        "reference": math.sqrt(float(total)),
+    }
 
 
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32-masters", "remainders"])
@@ -172,8 +195,13 @@ def _rebuilt_optimizer_body() -> dict:
             main.mul_(3.0)
     inner.chained_optimizers[1] = rebuilt
     norms = optimizer.param_l2_norms()
-    return {"oracle": oracle, "first": first, "total": float(norms.total),
-            "dense": float(norms.dense), "expert": float(norms.expert)}
+    return {
+        "oracle": oracle,
+        "first": first,
+        "total": float(norms.total),
+        "dense": float(norms.dense),
+        "expert": float(norms.expert),
+    }
 
 
 def test_rebuilt_leaf_optimizer_is_noticed() -> None:

@@ -35,7 +35,11 @@ import torch
 from norm_optim._errors import ParallelStateError, UnknownParamError, UnsupportedOptimizerError
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
-from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_sum_of_squares
+from norm_optim.testing.oracle import (
+    fill_deterministic_,
+    global_param_shapes,
+    oracle_sum_of_squares,
+)
 from norm_optim._versions import megatron_at_least
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
@@ -46,8 +50,10 @@ TIMEOUT = 180.0
 # 0.16 to 0.18 only: finalize_model_grads there passes force_all_reduce= to a
 # finish_grad_sync() that does not take it (0.14 and 0.15 do not pass it; 0.19 takes it).
 TRAINS = megatron_at_least(0, 19) or not megatron_at_least(0, 16)
-NO_TRAINING = ("megatron-core 0.16 to 0.18: TorchFullyShardedDataParallel cannot train "
-               "(finalize_model_grads passes force_all_reduce= to its finish_grad_sync())")
+NO_TRAINING = (
+    "megatron-core 0.16 to 0.18: TorchFullyShardedDataParallel cannot train "
+    "(finalize_model_grads passes force_all_reduce= to its finish_grad_sync())"
+)
 
 UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)  # Megatron-LM's FSDP2 requires it
 MEGATRON_LAYOUTS = {
@@ -82,16 +88,21 @@ def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
     total = float(optimizer.param_l2_norm())
     split = optimizer.param_l2_norms()
     per_param = optimizer.param_l2_norms(per_param=True)
-    return {"total": total, "dense": float(split.dense), "expert": float(split.expert),
-            "per_param": {k: float(v) for k, v in per_param.per_param.items()},
-            "collectives": counting.all_reduces / 3}
+    return {
+        "total": total,
+        "dense": float(split.dense),
+        "expert": float(split.expert),
+        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
+        "collectives": counting.all_reduces / 3,
+    }
 
 
 def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
     assert got["total"] == pytest.approx(expected["total"], rel=REL), what
     assert got["expert"] == pytest.approx(expected["expert"], rel=REL, abs=1e-12), what
-    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(expected["total"] ** 2,
-                                                                   rel=REL), what
+    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(
+        expected["total"] ** 2, rel=REL
+    ), what
     assert set(got["per_param"]) == set(expected["per_param"]), f"{what}: per-param names"
     for name, value in got["per_param"].items():
         assert value == pytest.approx(expected["per_param"][name], rel=REL), f"{what}: {name}"
@@ -99,9 +110,11 @@ def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> Non
 
 
 def _expected(sums: dict[str, float]) -> dict[str, Any]:
-    return {"total": math.sqrt(math.fsum(sums.values())),
-            "expert": math.sqrt(math.fsum(s for n, s in sums.items() if ".experts." in n)),
-            "per_param": {n: math.sqrt(s) for n, s in sums.items()}}
+    return {
+        "total": math.sqrt(math.fsum(sums.values())),
+        "expert": math.sqrt(math.fsum(s for n, s in sums.items() if ".experts." in n)),
+        "per_param": {n: math.sqrt(s) for n, s in sums.items()},
+    }
 
 
 # ------------------------------------------------------------------ Megatron's wrapper
@@ -141,8 +154,10 @@ def _main_state_dict(chunk: Any) -> dict[str, Any]:
 
     prefix = f"tp{ps.get_tensor_model_parallel_rank()}"
     mains = _fp32_tensors([chunk])
-    return {f"{prefix}.model": chunk.state_dict(),
-            f"{prefix}.main": {n: mains[id(p)] for n, p in chunk.named_parameters()}}
+    return {
+        f"{prefix}.model": chunk.state_dict(),
+        f"{prefix}.main": {n: mains[id(p)] for n, p in chunk.named_parameters()},
+    }
 
 
 def _megatron_norm(chunks: list, bf16: bool) -> float | None:
@@ -155,8 +170,9 @@ def _megatron_norm(chunks: list, bf16: bool) -> float | None:
         return None
     import types
 
-    global_vars.set_args(types.SimpleNamespace(use_megatron_fsdp=False, use_torch_fsdp2=True,
-                                               bf16=bf16))
+    global_vars.set_args(
+        types.SimpleNamespace(use_megatron_fsdp=False, use_torch_fsdp2=True, bf16=bf16)
+    )
     return float(calc_params_l2_norm(chunks))
 
 
@@ -172,8 +188,10 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
     inner = build_optimizer(chunks, bf16=layout.cfg.bf16, lr=1e-2)
     counting = _Counting.make()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=counting)
-    got: dict[str, Any] = {"shapes": global_param_shapes(chunks),
-                           "optimizer": type(inner.chained_optimizers[0]).__name__}
+    got: dict[str, Any] = {
+        "shapes": global_param_shapes(chunks),
+        "optimizer": type(inner.chained_optimizers[0]).__name__,
+    }
 
     _fill(chunks, inner, SEED_A)
     got["init"] = _read(optimizer, counting)
@@ -181,7 +199,8 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["views_of_mains"] = all(
         r.tensor.untyped_storage().data_ptr()
         == mains[id(r.param)]._local_tensor.untyped_storage().data_ptr()
-        for r in optimizer.registry.counted)
+        for r in optimizer.registry.counted
+    )
     got["counted_numel"] = optimizer.registry.counted_numel
     got["reasons"] = sorted({str(r.reason) for r in optimizer.registry if not r.counted})
     got["tp_rank"] = ps.get_tensor_model_parallel_rank()
@@ -274,8 +293,11 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_torch_fsdp2(name: str) -> N
     """The same run: Megatron-LM's ``calc_params_l2_norm`` (0.19) reports each rank's own bf16
     shard (``to_local()`` drops ``main_param``; no sum over DP), about 1/sqrt(DP) of the truth;
     norm_optim is exact there."""
-    pytest.importorskip("megatron.training", reason="megatron-core 0.16.1 ships no "
-                        "megatron.training (Megatron-LM's calc_params_l2_norm)")
+    pytest.importorskip(
+        "megatron.training",
+        reason="megatron-core 0.16.1 ships no "
+        "megatron.training (Megatron-LM's calc_params_l2_norm)",
+    )
     layout = MEGATRON_LAYOUTS[name]
     expected = _megatron_oracle(layout.cfg, SEED_A)["total"]
     dp = layout.world // layout.tp
@@ -325,9 +347,12 @@ def _native_body(layout: NativeLayout, directory: str) -> dict[str, Any]:
     model, inner, before_sharding = build_native_fsdp2(layout.mesh, tp=layout.tp)
     counting = _Counting.make()
     optimizer = NormAwareOptimizer(inner, model=model, comm=counting)
-    got: dict[str, Any] = {"unsharded": before_sharding, "init": _read(optimizer, counting),
-                           "counted_numel": optimizer.registry.counted_numel,
-                           "numel": sum(p.numel() for p in model.parameters())}
+    got: dict[str, Any] = {
+        "unsharded": before_sharding,
+        "init": _read(optimizer, counting),
+        "counted_numel": optimizer.registry.counted_numel,
+        "numel": sum(p.numel() for p in model.parameters()),
+    }
     registry = optimizer.registry
     for step in range(2):
         native_train_step(model, optimizer, seed=step)
@@ -357,8 +382,16 @@ def _native_body(layout: NativeLayout, directory: str) -> dict[str, Any]:
 def _native_run(name: str) -> tuple[dict[str, Any], ...]:
     layout = NATIVE_LAYOUTS[name]
     with tempfile.TemporaryDirectory(prefix="norm_optim_native_fsdp2_") as directory:
-        return tuple(run_ranks(_native_body, layout.world, layout, directory,
-                               cpu_shim=layout.megatron_state, timeout=TIMEOUT))
+        return tuple(
+            run_ranks(
+                _native_body,
+                layout.world,
+                layout,
+                directory,
+                cpu_shim=layout.megatron_state,
+                timeout=TIMEOUT,
+            )
+        )
 
 
 @pytest.mark.parametrize("name", list(NATIVE_LAYOUTS))
@@ -405,8 +438,9 @@ def _refused(kind: str) -> str:
         if kind == "partial":
             tensor = DTensor.from_local(torch.ones(4), mesh, [Partial()])
         else:  # every rank holds 3 rows of what the placements say is a 4-row tensor
-            tensor = DTensor.from_local(torch.ones(3), mesh, [Shard(0)], shape=torch.Size([4]),
-                                        stride=(1,))
+            tensor = DTensor.from_local(
+                torch.ones(3), mesh, [Shard(0)], shape=torch.Size([4]), stride=(1,)
+            )
         model = torch.nn.Module()
         model.weight = torch.nn.Parameter(tensor)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -432,16 +466,23 @@ def _sharded_on_half() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters())
 
 
-@pytest.mark.parametrize("kind, world, words", [
-    ("partial", 2, ["Partial", "pending"]),
-    ("uneven", 2, ["local tensor has shape (3,)", "give (2,)"]),
-    ("sub-mesh", 4, ["'embed.weight'", "ranks [0, 1, 2, 3]", "Replicate on the TP axis"]),
-    ("megatron-dp-outside-mesh", 4, ["ParallelStateError", "data-parallel group [0, 1, 2, 3]",
-                                     "in no placement"]),
-    ("megatron-tp-inside-mesh", 4, ["ParallelStateError", "tensor-parallel group"]),
-])
-def test_placements_that_cannot_be_counted_are_refused(kind: str, world: int,
-                                                        words: list[str]) -> None:
+@pytest.mark.parametrize(
+    "kind, world, words",
+    [
+        ("partial", 2, ["Partial", "pending"]),
+        ("uneven", 2, ["local tensor has shape (3,)", "give (2,)"]),
+        ("sub-mesh", 4, ["'embed.weight'", "ranks [0, 1, 2, 3]", "Replicate on the TP axis"]),
+        (
+            "megatron-dp-outside-mesh",
+            4,
+            ["ParallelStateError", "data-parallel group [0, 1, 2, 3]", "in no placement"],
+        ),
+        ("megatron-tp-inside-mesh", 4, ["ParallelStateError", "tensor-parallel group"]),
+    ],
+)
+def test_placements_that_cannot_be_counted_are_refused(
+    kind: str, world: int, words: list[str]
+) -> None:
     """A Partial (pending-sum) placement, local data that is not the placements' shard, a param
     left on the FSDP sub-mesh of a TP × FSDP model (its TP copies are in no placement), and
     meshes that contradict megatron's parallel state (copies in megatron's DP group outside the

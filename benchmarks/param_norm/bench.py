@@ -114,10 +114,18 @@ def build_bench(case: Case, device: torch.device) -> Bench:
         with torch.device(device):  # megatron allocates its buffers on the current CUDA device
             chunks = build_model(case.model, use_distributed_optimizer=True)
     optimizer = build_optimizer(chunks)
-    on_wrong_device = [n for c in chunks for n, p in c.named_parameters()
-                       if p.device.type != device.type]
+    on_wrong_device = [
+        n for c in chunks for n, p in c.named_parameters() if p.device.type != device.type
+    ]
     if on_wrong_device:
         raise RuntimeError(f"params not on {device}: {on_wrong_device[:3]}...")
-    return Bench(chunks, optimizer, NormAwareOptimizer(optimizer, chunks),
-                 Groups.from_parallel_state(), device, bool(case.model.num_experts),
-                 case.megatron_fsdp, case.torch_fsdp2)
+    return Bench(
+        chunks,
+        optimizer,
+        NormAwareOptimizer(optimizer, chunks),
+        Groups.from_parallel_state(),
+        device,
+        bool(case.model.num_experts),
+        case.megatron_fsdp,
+        case.torch_fsdp2,
+    )

@@ -58,15 +58,27 @@ class Model:
 
 
 def _dense(hidden: int, layers: int, vocab: int) -> TinyGPTConfig:
-    return TinyGPTConfig(hidden_size=hidden, num_layers=layers, num_attention_heads=8,
-                         vocab_size=vocab, seq_length=16)
+    return TinyGPTConfig(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=8,
+        vocab_size=vocab,
+        seq_length=16,
+    )
 
 
 def _moe(hidden: int, layers: int, experts: int, ffn: int) -> TinyGPTConfig:
     # Many small experts: the tensor count grows as 2 x experts x layers.
-    return TinyGPTConfig(hidden_size=hidden, num_layers=layers, num_attention_heads=4,
-                         ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, num_experts=experts,
-                         vocab_size=1024, seq_length=16)
+    return TinyGPTConfig(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=4,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        num_experts=experts,
+        vocab_size=1024,
+        seq_length=16,
+    )
 
 
 MODELS: tuple[Model, ...] = (
@@ -97,19 +109,35 @@ def sweep_of(case_name: str) -> Sweep:
 
 
 def _all_cases(quick: bool) -> list[Case]:
-    cases = [Case(m.name, m.config, world)
-             for m in MODELS for world in (m.quick_worlds if quick else m.worlds)]
+    cases = [
+        Case(m.name, m.config, world)
+        for m in MODELS
+        for world in (m.quick_worlds if quick else m.worlds)
+    ]
     configs = {m.name: m.config for m in MODELS}
-    cases += [Case(f"fsdp-{name}", configs[name], world, megatron_fsdp=True)
-              for name, full, fast in FSDP_MODELS for world in (fast if quick else full)]
-    cases += [Case(f"fsdp2-{name}", dataclasses.replace(configs[name], tie_embeddings=False),
-                   world, torch_fsdp2=True)
-              for name, full, fast in TORCH_FSDP2_MODELS for world in (fast if quick else full)]
+    cases += [
+        Case(f"fsdp-{name}", configs[name], world, megatron_fsdp=True)
+        for name, full, fast in FSDP_MODELS
+        for world in (fast if quick else full)
+    ]
+    cases += [
+        Case(
+            f"fsdp2-{name}",
+            dataclasses.replace(configs[name], tie_embeddings=False),
+            world,
+            torch_fsdp2=True,
+        )
+        for name, full, fast in TORCH_FSDP2_MODELS
+        for world in (fast if quick else full)
+    ]
     return cases
 
 
 def select_cases(quick: bool, names: Sequence[str], worlds: Sequence[int]) -> list[Case]:
     """The cases to run, in a stable order (world 1 first: it warms nothing for world 4)."""
-    cases = [c for c in _all_cases(quick)
-             if (not names or c.name in names) and (not worlds or c.world in worlds)]
+    cases = [
+        c
+        for c in _all_cases(quick)
+        if (not names or c.name in names) and (not worlds or c.world in worlds)
+    ]
     return sorted(cases, key=lambda c: c.world)

@@ -15,8 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "reduce", "broadcast", "all_gather_object", "all_to_all_single", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce",
+    "broadcast",
+    "all_gather_object",
+    "all_to_all_single",
+    "barrier",
+)
 # Reading a tensor's value on the host: a device sync on accelerators.
 HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 

@@ -84,8 +84,9 @@ def merge_ranks(per_rank: Sequence[Measurement], reference: float) -> dict[str, 
     value = per_rank[0].value
     return {
         "median_s": max(statistics.median(m.times) for m in per_rank),
-        "extra_peak_bytes": None if any(p is None for p in peaks) else max(
-            p for p in peaks if p is not None),
+        "extra_peak_bytes": None
+        if any(p is None for p in peaks)
+        else max(p for p in peaks if p is not None),
         "collectives": max(m.collectives for m in per_rank),
         "host_syncs": max(m.host_syncs for m in per_rank),
         "rel_error": abs(value - reference) / reference if reference else abs(value),

@@ -69,8 +69,10 @@ def floor(bench: Bench) -> NormFn:
     summands = [r.tensor for r in bench.wrapped.registry.counted if r.tensor is not None]
     tensors = [t for t in summands if isinstance(t, torch.Tensor)]
     if len(tensors) != len(summands):  # the benchmark's optimizers never keep them
-        raise TypeError("floor sums plain fp32 main params; this optimizer keeps some in "
-                        "Transformer Engine's remainder format")
+        raise TypeError(
+            "floor sums plain fp32 main params; this optimizer keeps some in "
+            "Transformer Engine's remainder format"
+        )
 
     def call() -> torch.Tensor:
         squares = fused_sum_of_squares(tensors, bench.device)
@@ -89,8 +91,11 @@ def floor_per_param(bench: Bench) -> NormFn:
     slot = {name: i + 2 for i, name in enumerate(names)}
     counted = [r for r in bench.wrapped.registry.counted if isinstance(r.tensor, torch.Tensor)]
     tensors = [r.tensor for r in counted if r.tensor.numel()]
-    index = torch.tensor([slot[r.global_name] for r in counted if r.tensor.numel()],
-                         dtype=torch.long, device=bench.device)
+    index = torch.tensor(
+        [slot[r.global_name] for r in counted if r.tensor.numel()],
+        dtype=torch.long,
+        device=bench.device,
+    )
 
     def call() -> torch.Tensor:
         squares = torch.zeros(len(names) + 2, dtype=torch.float64, device=bench.device)

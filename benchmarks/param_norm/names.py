@@ -31,9 +31,13 @@ from norm_optim.testing.comm import Traffic
 Names = list[tuple[str, bool]]
 _SIZE_BYTES = 8  # the int64 size torch's *_object collectives send first
 
-_ATTENTION = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
-              "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
-              "self_attention.linear_proj.weight")
+_ATTENTION = (
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.q_layernorm.weight",
+    "self_attention.k_layernorm.weight",
+    "self_attention.linear_proj.weight",
+)
 _MLP = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 _MOE = ("pre_mlp_layernorm.weight", "mlp.router.weight")
 
@@ -52,8 +56,11 @@ class NamesModel:
 
     def fits(self, world: int) -> bool:
         stage = world // self.pp
-        return world % (self.tp * self.pp) == 0 and stage % self.ep == 0 and \
-            (not self.experts or self.experts % self.ep == 0)
+        return (
+            world % (self.tp * self.pp) == 0
+            and stage % self.ep == 0
+            and (not self.experts or self.experts % self.ep == 0)
+        )
 
     def coordinates(self, rank: int, world: int) -> tuple[int, int]:
         """(pipeline stage, expert rank) of a global rank, megatron's default order (TP
@@ -78,8 +85,9 @@ class NamesModel:
                 continue
             names += [(prefix + part, False) for part in _MOE]
             for expert in range(expert_rank * local, (expert_rank + 1) * local):
-                names += [(f"{prefix}mlp.experts.linear_fc{fc}.weight{expert}", True)
-                          for fc in (1, 2)]
+                names += [
+                    (f"{prefix}mlp.experts.linear_fc{fc}.weight{expert}", True) for fc in (1, 2)
+                ]
         return sorted(names)
 
     def rank_names(self, rank: int, world: int) -> Names:
@@ -127,8 +135,9 @@ def all_gather_object_traffic(lists: Sequence[Names], rank: int) -> Traffic:
     return Traffic(sent=_SIZE_BYTES + longest, received=world * (_SIZE_BYTES + longest))
 
 
-def rows(models: Sequence[NamesModel] = MODELS, worlds: Sequence[int] = WORLDS
-         ) -> list[dict[str, Any]]:
+def rows(
+    models: Sequence[NamesModel] = MODELS, worlds: Sequence[int] = WORLDS
+) -> list[dict[str, Any]]:
     """One row per model and world: names per rank, and the most any rank sends / receives in
     the exchange (of ranks 0, 1, ``ep`` and the last: speakers of every kind, and listeners
     whenever a list has replicas) and in the ``all_gather_object`` it replaced."""
@@ -143,28 +152,34 @@ def rows(models: Sequence[NamesModel] = MODELS, worlds: Sequence[int] = WORLDS
             # lists is what all_gather_object pads to.
             distinct = {model.coordinates(r, world) for r in range(world)}
             longest = max(len(pickle.dumps(model.names(*c))) for c in distinct)
-            out.append({
-                "model": model.name, "world": world,
-                "names_per_rank": max(len(model.names(*c)) for c in distinct),
-                "distinct_holdings": len(distinct),
-                "sent": max(t.sent for t in traffic),
-                "received": max(t.received for t in traffic),
-                "all_gather_object_sent": _SIZE_BYTES + longest,
-                "all_gather_object_received": world * (_SIZE_BYTES + longest),
-            })
+            out.append(
+                {
+                    "model": model.name,
+                    "world": world,
+                    "names_per_rank": max(len(model.names(*c)) for c in distinct),
+                    "distinct_holdings": len(distinct),
+                    "sent": max(t.sent for t in traffic),
+                    "received": max(t.received for t in traffic),
+                    "all_gather_object_sent": _SIZE_BYTES + longest,
+                    "all_gather_object_received": world * (_SIZE_BYTES + longest),
+                }
+            )
     return out
 
 
 def format_rows(table: Sequence[dict[str, Any]]) -> str:
     from .report import format_bytes
 
-    lines = ["| model | world | names / rank | (stage, expert rank) pairs | exchange: sent / received "
-             "per rank | all_gather_object: sent / received per rank |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | world | names / rank | (stage, expert rank) pairs | exchange: sent / received "
+        "per rank | all_gather_object: sent / received per rank |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     lines.extend(
         f"| {r['model']} | {r['world']:,} | {r['names_per_rank']:,} | {r['distinct_holdings']} "
         f"| {format_bytes(r['sent'])} / {format_bytes(r['received'])} "
         f"| {format_bytes(r['all_gather_object_sent'])} / "
         f"{format_bytes(r['all_gather_object_received'])} |"
-        for r in table)
+        for r in table
+    )
     return "\n".join(lines)

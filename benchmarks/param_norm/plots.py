@@ -15,14 +15,20 @@ from .report import TARGET_PEAK_BYTES, Row
 
 # method -> (matplotlib color, marker)
 STYLE: tuple[tuple[str, str, str], ...] = (
-    ("norm_optim", "C0", "o"), ("floor", "C2", "s"), ("attribute_walk", "C1", "^"),
-    ("fp32_copy", "C3", "x"), ("dtensor_walk", "C4", "v"),
+    ("norm_optim", "C0", "o"),
+    ("floor", "C2", "s"),
+    ("attribute_walk", "C1", "^"),
+    ("fp32_copy", "C3", "x"),
+    ("dtensor_walk", "C4", "v"),
 )
-PANELS = (("elements", "numel", "elements (dense models, ~100 tensors)"),
-          ("tensors", "tensors", "tensors (MoE models, 4k-element experts)"))
-FIGURES = (("median_s", "median seconds per call", "param_norm_time.png"),
-           ("extra_peak_bytes", "extra peak bytes per call (0 shown at 1 KiB)",
-            "param_norm_memory.png"))
+PANELS = (
+    ("elements", "numel", "elements (dense models, ~100 tensors)"),
+    ("tensors", "tensors", "tensors (MoE models, 4k-element experts)"),
+)
+FIGURES = (
+    ("median_s", "median seconds per call", "param_norm_time.png"),
+    ("extra_peak_bytes", "extra peak bytes per call (0 shown at 1 KiB)", "param_norm_memory.png"),
+)
 WORLD_LINES = ((1, "-"), (4, ":"))
 
 
@@ -45,13 +51,23 @@ def plot(rows: Sequence[Row], out_dir: Path) -> list[Path]:
         for ax, (sweep, x_key, x_label) in zip(axes, PANELS):
             for method, color, marker in STYLE:
                 for world, line in WORLD_LINES:
-                    points = sorted((r[x_key], max(r[metric] or 0, floor)) for r in rows
-                                    if sweep_of(r["case"]) == sweep and r["world"] == world
-                                    and r["method"] == method)
+                    points = sorted(
+                        (r[x_key], max(r[metric] or 0, floor))
+                        for r in rows
+                        if sweep_of(r["case"]) == sweep
+                        and r["world"] == world
+                        and r["method"] == method
+                    )
                     if points:
                         xs, ys = zip(*points)
-                        ax.plot(xs, ys, line, color=color, marker=marker,
-                                label=f"{method} (world {world})")
+                        ax.plot(
+                            xs,
+                            ys,
+                            line,
+                            color=color,
+                            marker=marker,
+                            label=f"{method} (world {world})",
+                        )
             if metric == "extra_peak_bytes":
                 ax.axhline(TARGET_PEAK_BYTES, color="grey", linestyle="--", linewidth=0.8)
             ax.set(xscale="log", yscale="log", xlabel=x_label, ylabel=label)

@@ -48,9 +48,11 @@ def format_bytes(n: Optional[int]) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     """A markdown table, one line per case x method, with each time relative to ``floor``."""
-    lines = ["| case | world | elements | tensors | method | median ms | x floor | extra peak "
-             "| collectives | host syncs | rel. error |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| case | world | elements | tensors | method | median ms | x floor | extra peak "
+        "| collectives | host syncs | rel. error |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for (case, world), methods in by_case(rows).items():
         floor = methods.get("floor", {}).get("median_s")
         for name, r in methods.items():
@@ -58,28 +60,37 @@ def format_table(rows: Sequence[Row]) -> str:
             lines.append(
                 f"| {case} | {world} | {r['numel']:.3g} | {r['tensors']} | {name} | "
                 f"{r['median_s'] * 1e3:.3g} | {ratio} | {format_bytes(r['extra_peak_bytes'])} | "
-                f"{r['collectives']} | {r['host_syncs']} | {r['rel_error']:.1e} |")
+                f"{r['collectives']} | {r['host_syncs']} | {r['rel_error']:.1e} |"
+            )
     return "\n".join(lines)
 
 
 def format_wrap_table(rows: Sequence[Row]) -> str:
     """Once per case: the registry build (at wrap time, and after the optimizer replaced its
     tensors), and the part of it that reads the model's sharding declarations."""
-    lines = ["| case | world | tensors | registry build ms | of which declarations ms | "
-             "x without them |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| case | world | tensors | registry build ms | of which declarations ms | "
+        "x without them |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for (case, world), methods in by_case(rows).items():
         r = next(iter(methods.values()))
         if "registry_build_s" not in r:
             continue  # rows of a run before this was measured
         build, decl = r["registry_build_s"], r["declarations_s"]
-        lines.append(f"| {case} | {world} | {r['tensors']} | {build * 1e3:.3g} | "
-                     f"{decl * 1e3:.3g} | {build / max(build - decl, 1e-12):.2f} |")
+        lines.append(
+            f"| {case} | {world} | {r['tensors']} | {build * 1e3:.3g} | "
+            f"{decl * 1e3:.3g} | {build / max(build - decl, 1e-12):.2f} |"
+        )
     return "\n".join(lines)
 
 
 def _verdict(bad: Sequence[Row], show: Callable[[Row], str]) -> str:
-    return "met" if not bad else "MISSED: " + ", ".join(
-        f"{r['case']}/w{r['world']} {show(r)}" for r in bad)
+    return (
+        "met"
+        if not bad
+        else "MISSED: " + ", ".join(f"{r['case']}/w{r['world']} {show(r)}" for r in bad)
+    )
 
 
 def check_targets(rows: Sequence[Row]) -> list[str]:
@@ -106,31 +117,52 @@ def check_targets(rows: Sequence[Row]) -> list[str]:
         return float(cases[(r["case"], r["world"])]["attribute_walk"]["median_s"] / r["median_s"])
 
     # Megatron-FSDP cases have no attribute_walk to compare with.
-    many = [r for r in ours if r["tensors"] >= MANY_TENSORS
-            and "attribute_walk" in cases[(r["case"], r["world"])]]
+    many = [
+        r
+        for r in ours
+        if r["tensors"] >= MANY_TENSORS and "attribute_walk" in cases[(r["case"], r["world"])]
+    ]
     speedup = {d: TARGET_WALK_SPEEDUP.get(d, 2.0) for d in {r["device"] for r in ours}}
     return [
-        "extra peak <= 1 MiB: " + _verdict(
+        "extra peak <= 1 MiB: "
+        + _verdict(
             [r for r in ours if (r["extra_peak_bytes"] or 0) > TARGET_PEAK_BYTES],
-            lambda r: format_bytes(r["extra_peak_bytes"])),
-        "rel. error <= 1e-6: " + _verdict(
+            lambda r: format_bytes(r["extra_peak_bytes"]),
+        ),
+        "rel. error <= 1e-6: "
+        + _verdict(
             [r for r in ours if r["rel_error"] > TARGET_REL_ERROR],
-            lambda r: f"{r['rel_error']:.1e}"),
-        "time <= 1.1x floor: " + _verdict(
-            [r for r in ours if x_floor(r) > TARGET_X_FLOOR], lambda r: f"{x_floor(r):.2f}x"),
+            lambda r: f"{r['rel_error']:.1e}",
+        ),
+        "time <= 1.1x floor: "
+        + _verdict(
+            [r for r in ours if x_floor(r) > TARGET_X_FLOOR], lambda r: f"{x_floor(r):.2f}x"
+        ),
         f"faster than attribute_walk at >= {MANY_TENSORS} tensors "
-        f"({', '.join(f'{d}: {s:g}x' for d, s in speedup.items())}): " + (
-            "no such case" if not many else _verdict(
-                [r for r in many if x_walk(r) < speedup[r["device"]]],
-                lambda r: f"{x_walk(r):.2f}x")),
-        "1 collective, 0 host syncs: " + _verdict(
+        f"({', '.join(f'{d}: {s:g}x' for d, s in speedup.items())}): "
+        + (
+            "no such case"
+            if not many
+            else _verdict(
+                [r for r in many if x_walk(r) < speedup[r["device"]]], lambda r: f"{x_walk(r):.2f}x"
+            )
+        ),
+        "1 collective, 0 host syncs: "
+        + _verdict(
             [r for r in ours + per_param if r["collectives"] != 1 or r["host_syncs"] != 0],
-            lambda r: f"{r['method']} {r['collectives']} / {r['host_syncs']}"),
-        f"per-param <= {TARGET_PER_PARAM_X_TOTAL}x total-only (MoE): " + (
-            "no such case" if not moe_per_param else _verdict(
+            lambda r: f"{r['method']} {r['collectives']} / {r['host_syncs']}",
+        ),
+        f"per-param <= {TARGET_PER_PARAM_X_TOTAL}x total-only (MoE): "
+        + (
+            "no such case"
+            if not moe_per_param
+            else _verdict(
                 [r for r in moe_per_param if x_total(r) > TARGET_PER_PARAM_X_TOTAL],
-                lambda r: f"{x_total(r):.2f}x (floor_per_param / floor: "
-                          f"{x_floor_all_reduce(r):.2f}x)")),
+                lambda r: (
+                    f"{x_total(r):.2f}x (floor_per_param / floor: {x_floor_all_reduce(r):.2f}x)"
+                ),
+            )
+        ),
     ]
 
 
@@ -171,16 +203,21 @@ def summary(rows: Sequence[Row], env: Mapping[str, Any]) -> str:
     """The table, the targets and one line on the run, as printed after a run."""
     targets = "\n".join(f"- {line}" for line in check_targets(rows))
     memory = rows[0]["memory_method"] if rows else "-"
-    return (f"{format_table(rows)}\n\n{format_wrap_table(rows)}\n\n{targets}\n\n"
-            f"# {len(rows)} rows in {env['wall_s']:.0f} s "
-            f"on {env['cpus']} CPUs ({env['processor']}), torch {env['torch']}; memory: {memory}")
+    return (
+        f"{format_table(rows)}\n\n{format_wrap_table(rows)}\n\n{targets}\n\n"
+        f"# {len(rows)} rows in {env['wall_s']:.0f} s "
+        f"on {env['cpus']} CPUs ({env['processor']}), torch {env['torch']}; memory: {memory}"
+    )
 
 
 def write_json(path: Path, rows: Sequence[Row], env: Mapping[str, Any]) -> None:
     """``{"environment", "targets", "rows"}``: what ``--replot`` and the README tables read."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": dict(env), "targets": check_targets(rows),
-                                "rows": list(rows)}, indent=1))
+    path.write_text(
+        json.dumps(
+            {"environment": dict(env), "targets": check_targets(rows), "rows": list(rows)}, indent=1
+        )
+    )
 
 
 def read_rows(paths: Sequence[Path]) -> list[dict[str, Any]]:

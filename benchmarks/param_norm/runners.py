@@ -29,8 +29,11 @@ Row = dict[str, Any]
 def run_case(case: Case, opts: Options) -> list[Row]:
     """Body of every rank: build, measure every method, gather; returns the case's rows."""
     torch.set_num_threads(opts.threads)
-    device = (torch.device(opts.device, torch.cuda.current_device()) if opts.device == "cuda"
-              else torch.device("cpu"))
+    device = (
+        torch.device(opts.device, torch.cuda.current_device())
+        if opts.device == "cuda"
+        else torch.device("cpu")
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         bench = build_bench(case, device)
@@ -39,20 +42,38 @@ def run_case(case: Case, opts: Options) -> list[Row]:
     with torch.no_grad():
         local = measure_methods(methods, device, opts)
     counted = bench.wrapped.registry.counted
-    mine = {"local_numel": sum(r.numel for r in counted), "local_tensors": len(counted),
-            "measurements": local, **wrap_cost(bench)}
+    mine = {
+        "local_numel": sum(r.numel for r in counted),
+        "local_tensors": len(counted),
+        "measurements": local,
+        **wrap_cost(bench),
+    }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    meta = dict(case=case.name, kind=case.kind, world=dist.get_world_size(), numel=numel,
-                tensors=tensors, layout=case.layout, device=device.type, threads=opts.threads,
-                calls=opts.calls, memory_method=PeakMemory(device).method,
-                local_numel=max(g["local_numel"] for g in gathered),
-                local_tensors=max(g["local_tensors"] for g in gathered),
-                registry_build_s=max(g["registry_build_s"] for g in gathered),
-                declarations_s=max(g["declarations_s"] for g in gathered))
-    return [{**meta, "method": name,
-             **merge_ranks([g["measurements"][name] for g in gathered], reference)}
-            for name, _ in methods]
+    meta = dict(
+        case=case.name,
+        kind=case.kind,
+        world=dist.get_world_size(),
+        numel=numel,
+        tensors=tensors,
+        layout=case.layout,
+        device=device.type,
+        threads=opts.threads,
+        calls=opts.calls,
+        memory_method=PeakMemory(device).method,
+        local_numel=max(g["local_numel"] for g in gathered),
+        local_tensors=max(g["local_tensors"] for g in gathered),
+        registry_build_s=max(g["registry_build_s"] for g in gathered),
+        declarations_s=max(g["declarations_s"] for g in gathered),
+    )
+    return [
+        {
+            **meta,
+            "method": name,
+            **merge_ranks([g["measurements"][name] for g in gathered], reference),
+        }
+        for name, _ in methods
+    ]
 
 
 def launched_by_torchrun() -> bool:
@@ -79,8 +100,11 @@ def run_forked(cases: Sequence[Case], opts: Options, timeout: float) -> list[Row
     for case in cases:
         start = time.perf_counter()
         case_rows = run_ranks(run_case, case.world, case, opts, timeout=timeout)[0]
-        print(f"# {case.name} world={case.world}: {time.perf_counter() - start:.1f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"# {case.name} world={case.world}: {time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.extend(case_rows)
     return rows
 

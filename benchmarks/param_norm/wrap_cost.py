@@ -32,6 +32,7 @@ def wrap_cost(bench: Any) -> dict[str, float]:
     coords = rank_coords(comm)
     return {
         "registry_build_s": _median_s(
-            lambda: ParamRegistry(bench.optimizer, bench.chunks, coords=coords, comm=comm)),
+            lambda: ParamRegistry(bench.optimizer, bench.chunks, coords=coords, comm=comm)
+        ),
         "declarations_s": _median_s(lambda: read_declarations(bench.chunks)),
     }

@@ -48,7 +48,9 @@ def _torch_l2norm(tensors: list[Tensor]) -> Tensor:
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=_accumulate_dtype(tensors[0].dtype)))
 
 
-def _multi_tensor_l2norm(device: torch.device) -> tuple[FusedBackend, Callable[[list[Tensor]], Tensor]]:
+def _multi_tensor_l2norm(
+    device: torch.device,
+) -> tuple[FusedBackend, Callable[[list[Tensor]], Tensor]]:
     """Pick the fused per-tensor L2 norm for ``device``: apex, then Transformer Engine, then torch.
 
     Returns:
@@ -95,7 +97,9 @@ class FusedGroup:
     kernel upcasts with a copy (it does on CPU; this cannot be checked without a GPU).
     """
 
-    def __init__(self, tensors: Sequence[Tensor], slots: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self, tensors: Sequence[Tensor], slots: Sequence[int], device: torch.device
+    ) -> None:
         backend, self._l2norm = _multi_tensor_l2norm(device)
         self.backend = backend.value
         bounded = backend.may_copy_low_precision and tensors[0].dtype in _LOW_PRECISION

@@ -35,7 +35,9 @@ def _group_key(t: Summand) -> _GroupKey:
     """(device, dtype, group type): CUDA tree reductions are accurate on whole tensors, and CPU
     float64 accumulates in float64 already (fused); CPU fp32/bf16/fp16 need row norms, and
     remainder masters must be decoded block by block anywhere (row norms)."""
-    row_norms = isinstance(t, RemainderMaster) or (t.device.type == "cpu" and t.dtype != torch.float64)
+    row_norms = isinstance(t, RemainderMaster) or (
+        t.device.type == "cpu" and t.dtype != torch.float64
+    )
     return t.device, t.dtype, RowNormGroup if row_norms else FusedGroup
 
 
@@ -73,14 +75,20 @@ class SumOfSquaresPlan:
     ) -> None:
         tensors, slots = list(tensors), [int(s) for s in slots]
         if len(tensors) != len(slots):
-            raise ValueError(f"got {len(tensors)} tensors but {len(slots)} slots; pass one slot per tensor")
+            raise ValueError(
+                f"got {len(tensors)} tensors but {len(slots)} slots; pass one slot per tensor"
+            )
         for i, (t, slot) in enumerate(zip(tensors, slots)):
             if not (0 <= slot < num_slots):
                 raise ValueError(f"slots[{i}] = {slot} is outside [0, num_slots={num_slots})")
             if not (isinstance(t, RemainderMaster) or t.is_floating_point()):
-                raise TypeError(f"tensors[{i}] has dtype {t.dtype}; only floating-point tensors have norms here")
+                raise TypeError(
+                    f"tensors[{i}] has dtype {t.dtype}; only floating-point tensors have norms here"
+                )
         self.num_slots = num_slots
-        self.out_device = torch.device(out_device) if out_device is not None else _default_out_device(tensors)
+        self.out_device = (
+            torch.device(out_device) if out_device is not None else _default_out_device(tensors)
+        )
         self._num_tensors = len(tensors)
         self._numel = sum(t.numel() for t in tensors)
         self._nbytes = sum(t.numel() * t.element_size() for t in tensors)

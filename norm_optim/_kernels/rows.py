@@ -169,7 +169,12 @@ class _FlushBuilder:
         if self._items:
             runs = torch.tensor(self._runs, dtype=torch.long, device=self._device).reshape(-1, 2)
             self.flushes.append(
-                _Flush(tuple(self._items), tuple(self._item_rows), runs[:, 0].clone(), runs[:, 1].clone())
+                _Flush(
+                    tuple(self._items),
+                    tuple(self._item_rows),
+                    runs[:, 0].clone(),
+                    runs[:, 1].clone(),
+                )
             )
         self._items, self._item_rows, self._runs = [], [], []
 
@@ -196,7 +201,9 @@ class RowNormGroup:
     added to the slots in float64 with one ``index_add_``.
     """
 
-    def __init__(self, tensors: Sequence[Summand], slots: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self, tensors: Sequence[Summand], slots: Sequence[int], device: torch.device
+    ) -> None:
         self._device = device
         decodes = any(isinstance(t, RemainderMaster) for t in tensors)
         self.backend = f"{device.type} row norms" + (" of decoded remainders" if decodes else "")
@@ -262,9 +269,7 @@ class RowNormGroup:
                 squares = row_norms.double().square_()
                 # unsafe=True: the lengths were built with the plan and always sum to num_rows;
                 # validating them would read a device value back (a host sync on CUDA).
-                run_sums = torch.segment_reduce(
-                    squares, "sum", lengths=flush.run_rows, unsafe=True
-                )
+                run_sums = torch.segment_reduce(squares, "sum", lengths=flush.run_rows, unsafe=True)
                 acc.index_add_(0, flush.run_slots, run_sums)
         if self._strided:
             norms = torch._foreach_norm(self._strided, 2, dtype=torch.float64)

@@ -85,9 +85,7 @@ class Declarations:
     caveat: Optional[str] = None
 
 
-def read_declarations(
-    chunks: Sequence[torch.nn.Module], dp_cp_group: Any = None
-) -> Declarations:
+def read_declarations(chunks: Sequence[torch.nn.Module], dp_cp_group: Any = None) -> Declarations:
     """Every param's :class:`Declaration` from the chunks' ``sharded_state_dict``.
 
     Args:
@@ -102,9 +100,13 @@ def read_declarations(
     if fsdp and not megatron_at_least(0, 19):
         # megatron/core/utils.py (0.16.1) make_sharded_tensor_for_checkpoint takes every
         # DTensor for a torch FSDP2 shard: it adds a DP axis and may all-gather it.
-        return Declarations(read=False, unavailable=(
-            "not read for Megatron-FSDP before megatron-core 0.19 (its sharded_state_dict "
-            "treats the DTensor params as torch FSDP2 shards and may gather them)"))
+        return Declarations(
+            read=False,
+            unavailable=(
+                "not read for Megatron-FSDP before megatron-core 0.19 (its sharded_state_dict "
+                "treats the DTensor params as torch FSDP2 shards and may gather them)"
+            ),
+        )
     if not fsdp and any(type(p).__name__ == "DTensor" for c in chunks for p in c.parameters()):
         # torch FSDP2: the DTensor placements state the sharding; that is its own rule.
         return Declarations()
@@ -114,8 +116,10 @@ def read_declarations(
         # Megatron-FSDP's own sharded_state_dict describes its DTensor buffers (no TP
         # fragments); the model inside it declares the TP split as under DDP, with the
         # DTensor stand-ins as data (model_param maps them back).
-        states = [_chunk_state(_innermost(chunk) if fsdp else chunk, metadata, caveats)
-                  for chunk in chunks]
+        states = [
+            _chunk_state(_innermost(chunk) if fsdp else chunk, metadata, caveats)
+            for chunk in chunks
+        ]
     except Exception as error:  # noqa: BLE001 -- any failure means: count by the markers
         return Declarations(read=False, unavailable=f"sharded_state_dict failed: {error!r}")
     by_param: dict[int, Declaration] = {}
@@ -141,8 +145,10 @@ def _chunk_state(chunk: torch.nn.Module, metadata: dict, caveats: list[str]) -> 
         model = _innermost(chunk)
         if not isinstance(model, MegatronModule):
             raise
-        caveats.append(f"read module by module ({type(model).__name__}.sharded_state_dict "
-                       f"raised {type(error).__name__})")
+        caveats.append(
+            f"read module by module ({type(model).__name__}.sharded_state_dict "
+            f"raised {type(error).__name__})"
+        )
         # megatron/core/transformer/module.py (0.14-0.19) MegatronModule.sharded_state_dict
         return MegatronModule.sharded_state_dict(model, "", (), metadata)
 
@@ -179,8 +185,11 @@ def _param_declarations(state: Any) -> Any:
         if isinstance(value, ShardedTensor):
             yield value.data, _declaration(value)
         elif isinstance(value, ShardedTensorFactory):
-            parts = [_declaration(v) for v in _nested_values(value.build())
-                     if isinstance(v, ShardedTensor)]
+            parts = [
+                _declaration(v)
+                for v in _nested_values(value.build())
+                if isinstance(v, ShardedTensor)
+            ]
             if parts:
                 yield value.data, _merged(value.key, parts)
 

@@ -73,8 +73,9 @@ def local_holding(holding: Holding) -> Holding:
     )
 
 
-def read_placements(tensor: Any, optimizer: str = "") -> tuple[torch.Tensor, tuple[int, ...],
-                                                                 frozenset[int]]:
+def read_placements(
+    tensor: Any, optimizer: str = ""
+) -> tuple[torch.Tensor, tuple[int, ...], frozenset[int]]:
     """A DTensor's local tensor (a view), this rank's coordinate on each ``Replicate`` mesh axis,
     and the global ranks of its mesh.
 
@@ -83,15 +84,19 @@ def read_placements(tensor: Any, optimizer: str = "") -> tuple[torch.Tensor, tup
             tensor that is not exactly the part the placements assign to this rank.
     """
     from torch.distributed.tensor import Replicate, Shard
+
     # torch/distributed/tensor/placement_types.py (torch 2.13): the shard kind FSDP2 uses on a
     # dim that TP already shards; still a partition of the tensor.
     from torch.distributed.tensor.placement_types import _StridedShard
+
     # torch/distributed/tensor/_utils.py (torch 2.13): the shape DTensor itself gives each rank.
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = tensor.device_mesh, tensor.placements
-    where = f"{optimizer} holds a DTensor of shape {tuple(tensor.shape)} with placements " \
-            f"{tuple(placements)} on mesh {mesh.mesh.tolist()}"
+    where = (
+        f"{optimizer} holds a DTensor of shape {tuple(tensor.shape)} with placements "
+        f"{tuple(placements)} on mesh {mesh.mesh.tolist()}"
+    )
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise UnsupportedOptimizerError(f"{where}, which does not hold this rank")

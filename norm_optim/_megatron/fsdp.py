@@ -84,8 +84,14 @@ def read_megatron_fsdp(
                 else:
                     wbuf = group.model_weight_buffer
                     shard = wbuf.get_item(item, only_shard=True)
-                    yield Holding(param, shard, Source.FROZEN_SHARD, False,
-                                  group_ranks(wbuf.data_parallel_group), "MegatronFSDP")
+                    yield Holding(
+                        param,
+                        shard,
+                        Source.FROZEN_SHARD,
+                        False,
+                        group_ranks(wbuf.data_parallel_group),
+                        "MegatronFSDP",
+                    )
     if stepped:
         shapes = [tuple(p.shape) for p, _ in list(stepped.values())[:3]]
         raise UnknownParamError(
@@ -150,8 +156,9 @@ def _main_shard(
             f"{leaf} steps a tensor for a param of shape {tuple(param.shape)} that is not a view "
             "of its Megatron-FSDP main_weight_buffer: norm_optim does not know this layout"
         )
-    return Holding(param, local, Source.MAIN_SHARD, False, group_ranks(mbuf.data_parallel_group),
-                   leaf)
+    return Holding(
+        param, local, Source.MAIN_SHARD, False, group_ranks(mbuf.data_parallel_group), leaf
+    )
 
 
 def _model_chunks(optimizer: Any) -> list[Any]:

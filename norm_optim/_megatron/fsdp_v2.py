@@ -82,8 +82,9 @@ def read_megatron_fsdp_v2(
                 buffer = _sharded(group.model_weight, "model_weight (frozen params)")
                 tensor, leaf, source = _frozen_shard(buffer, index), "", Source.FROZEN_SHARD
             offset = _offset_in_param(buffer, index, tensor)
-            yield Holding(param, tensor, source, False, shard_group, leaf or "MegatronFSDPv2",
-                          offset)
+            yield Holding(
+                param, tensor, source, False, shard_group, leaf or "MegatronFSDPv2", offset
+            )
     if stepped:
         shapes = [tuple(p.shape) for p, _ in list(stepped.values())[:3]]
         raise UnknownParamError(
@@ -197,8 +198,9 @@ def _parameter_groups(optimizer: Any) -> Iterator[Any]:
         )
     for chunk in chunks.values():
         # experimental/module.py: each fully_shard unit module gets ``parameter_groups``.
-        units = [m for m in chunk.modules() if hasattr(m, "parameter_groups")
-                 and hasattr(m, "context")]
+        units = [
+            m for m in chunk.modules() if hasattr(m, "parameter_groups") and hasattr(m, "context")
+        ]
         if not units:
             raise UnsupportedOptimizerError(
                 f"the optimizer was built for Megatron-FSDP v2 (megatron_fsdp_version=2) but its "

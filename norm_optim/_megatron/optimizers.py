@@ -63,7 +63,9 @@ def fingerprint(optimizer: Any) -> tuple:
     their precision-aware master weights) keep their data, and how much optimizer state exists."""
     parts: list[Any] = []
     for leaf in leaves(optimizer):
-        inner = leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
+        inner = (
+            leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
+        )
         groups = getattr(inner, "param_groups", None) or []
         state = getattr(inner, "state", None) if _is_precision_aware(leaf) else None
         parts.append(
@@ -155,9 +157,11 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
         ctx = dataclasses.replace(
             ctx,
             dense_assignment=ctx.group_ranks(groups.dp_cp)
-            if optimizer.dp_cp_params_list is not None else None,
+            if optimizer.dp_cp_params_list is not None
+            else None,
             expert_assignment=ctx.group_ranks(groups.expt_dp)
-            if getattr(optimizer, "expt_dp_params_list", None) is not None else None,
+            if getattr(optimizer, "expt_dp_params_list", None) is not None
+            else None,
         )
     seen: set[int] = set()
     for member in optimizer.chained_optimizers:
@@ -170,7 +174,9 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield _whole(param, None, Source.ASSIGNED_ELSEWHERE, ctx, type(optimizer).__name__)
+                    yield _whole(
+                        param, None, Source.ASSIGNED_ELSEWHERE, ctx, type(optimizer).__name__
+                    )
 
 
 def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -181,7 +187,11 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     shard_group = ctx.group_ranks(optimizer.data_parallel_group)
     held: set[int] = set()
     pairs = [
-        (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, Source.MAIN_SHARD),
+        (
+            optimizer.model_float16_groups,
+            optimizer.shard_fp32_from_float16_groups,
+            Source.MAIN_SHARD,
+        ),
         (optimizer.model_fp32_groups, optimizer.shard_fp32_groups, Source.FP32_PARAM_SHARD),
     ]
     for model_groups, shard_groups, source in pairs:
@@ -243,7 +253,9 @@ def _low_precision_error(dtype: torch.dtype) -> UnsupportedOptimizerError:
 
 def _read_float16(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     name = type(optimizer).__name__
-    for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+    for model_group, main_group in zip(
+        optimizer.float16_groups, optimizer.fp32_from_float16_groups
+    ):
         for param, main in zip(model_group, main_group):
             yield _whole(param, main, Source.MAIN, ctx, name)
     for group in optimizer.fp32_from_fp32_groups:
@@ -253,7 +265,9 @@ def _read_float16(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
 
 def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     """FP32Optimizer and plain torch optimizers: the params are their own main params."""
-    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    torch_optimizer = (
+        optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    )
     name = type(optimizer).__name__
     for group in torch_optimizer.param_groups:
         for param in group["params"]:
@@ -262,7 +276,11 @@ def _read_params_of(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
 
 
 def _whole(
-    param: torch.nn.Parameter, tensor: Optional[torch.Tensor], source: Source, ctx: _Context, name: str
+    param: torch.nn.Parameter,
+    tensor: Optional[torch.Tensor],
+    source: Source,
+    ctx: _Context,
+    name: str,
 ) -> Holding:
     """A whole-param holding: replicated over DP, or assigned to this rank (layer-wise)."""
     # The layer-wise optimizer splits its assignment by megatron's own expert marker.

@@ -40,9 +40,7 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
     # distributed optimizer shards (and replicas are told apart) over the group without it.
     replicate = _without_gtp_remat(ps)
     dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True, **replicate)
-    expert_dp_group = ps.get_expert_data_parallel_group(
-        check_initialized=False, **replicate
-    )
+    expert_dp_group = ps.get_expert_data_parallel_group(check_initialized=False, **replicate)
     tp_size = ps.get_tensor_model_parallel_world_size()
     tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
     expert_tp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
@@ -64,12 +62,14 @@ def coords_from_parallel_state(comm: Communicator) -> RankCoords:
         ),
     )
 
+
 def coords_from_pg_collection(pg_collection: object, comm: Communicator) -> RankCoords:
     """Read the coordinates from an explicit megatron ``ProcessGroupCollection``.
 
     Its ``dp_cp`` / ``expt_dp`` are megatron's replicate groups (without the GTP axis), its
     ``gtp_remat`` / ``expt_gtp_remat`` the GTP weight-remat groups (megatron-core >= 0.19).
     """
+
     # Since 0.19 a collection reads every declared but unset field as None (a class
     # __getattr__), so presence is a value check, not hasattr.
     def group(name: str) -> Any:
@@ -111,14 +111,18 @@ def coords_from_pg_collection(pg_collection: object, comm: Communicator) -> Rank
     )
 
 
-def _peers(comm: Communicator, tp: Any, expert_tp: Any, dp_cp: Any,
-           expert_dp: Any) -> dict[str, Any]:
+def _peers(
+    comm: Communicator, tp: Any, expert_tp: Any, dp_cp: Any, expert_dp: Any
+) -> dict[str, Any]:
     """The ``*_peers`` fields of :class:`RankCoords`: each group's global ranks (empty where
     megatron built no such group)."""
-    groups = dict(tp_peers=tp, expert_tp_peers=expert_tp, dp_cp_peers=dp_cp,
-                  expert_dp_peers=expert_dp)
-    return {name: comm.group_ranks(group) if group is not None else frozenset()
-            for name, group in groups.items()}
+    groups = dict(
+        tp_peers=tp, expert_tp_peers=expert_tp, dp_cp_peers=dp_cp, expert_dp_peers=expert_dp
+    )
+    return {
+        name: comm.group_ranks(group) if group is not None else frozenset()
+        for name, group in groups.items()
+    }
 
 
 def _without_gtp_remat(ps: Any) -> dict[str, bool]:

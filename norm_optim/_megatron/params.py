@@ -126,18 +126,32 @@ def _tp_split(
         # weights, so at TP > 1 "split" still means split by TP.
         return SplitFrom.DECLARATION, declared.split, None
     flag = getattr(param, "tensor_model_parallel", None)
-    source = ("layer table" if marked else "no marker, not in the layer table") if flag is None \
+    source = (
+        ("layer table" if marked else "no marker, not in the layer table")
+        if flag is None
         else f"tensor_model_parallel={flag}"
-    return SplitFrom.DECLARATION, declared.split, (
-        f"{declared.describe()} as {declared.key!r}, but the markers say "
-        f"{'TP-split' if marked else 'replicated'} ({source}): the declaration counts"
+    )
+    return (
+        SplitFrom.DECLARATION,
+        declared.split,
+        (
+            f"{declared.describe()} as {declared.key!r}, but the markers say "
+            f"{'TP-split' if marked else 'replicated'} ({source}): the declaration counts"
+        ),
     )
 
 
 def _tp_sizes(chunks: Sequence[torch.nn.Module]) -> tuple[int, int]:
     """The TP and expert-TP sizes in the model's config (1, 1 when it has none)."""
-    config = next((getattr(m, "config", None) for c in chunks for m in c.modules()
-                   if hasattr(getattr(m, "config", None), "tensor_model_parallel_size")), None)
+    config = next(
+        (
+            getattr(m, "config", None)
+            for c in chunks
+            for m in c.modules()
+            if hasattr(getattr(m, "config", None), "tensor_model_parallel_size")
+        ),
+        None,
+    )
     # megatron/core/transformer/transformer_config.py (0.14-0.19): ETP None means TP.
     tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
     expert_tp = getattr(config, "expert_tensor_parallel_size", None)
@@ -214,8 +228,11 @@ def tensor_parallel_split_ids(chunks: Sequence[torch.nn.Module]) -> set[int]:
     for chunk in chunks:
         for module in chunk.modules():
             split = next(
-                (_SPLIT_BY_LAYER[c.__name__] for c in type(module).__mro__
-                 if c.__name__ in _SPLIT_BY_LAYER),
+                (
+                    _SPLIT_BY_LAYER[c.__name__]
+                    for c in type(module).__mro__
+                    if c.__name__ in _SPLIT_BY_LAYER
+                ),
                 None,
             )
             if split is None:

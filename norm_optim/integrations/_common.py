@@ -33,9 +33,13 @@ class LoggedParamsNorm(float):
     expert: Optional[float]
     growing: tuple[tuple[str, float], ...]
 
-    def __new__(cls, total: float, dense: Optional[float] = None,
-                expert: Optional[float] = None,
-                growing: Sequence[tuple[str, float]] = ()) -> "LoggedParamsNorm":
+    def __new__(
+        cls,
+        total: float,
+        dense: Optional[float] = None,
+        expert: Optional[float] = None,
+        growing: Sequence[tuple[str, float]] = (),
+    ) -> "LoggedParamsNorm":
         value = super().__new__(cls, total)
         value.dense, value.expert, value.growing = dense, expert, tuple(growing)
         return value
@@ -43,11 +47,15 @@ class LoggedParamsNorm(float):
     def __format__(self, spec: str) -> str:
         parts = [float.__format__(self, spec)]
         if self.dense is not None and self.expert is not None:
-            parts += [f"params norm dense: {self.dense:{spec}}",
-                      f"params norm expert: {self.expert:{spec}}"]
+            parts += [
+                f"params norm dense: {self.dense:{spec}}",
+                f"params norm expert: {self.expert:{spec}}",
+            ]
         if self.growing:
-            parts.append("fastest-growing params: " + ", ".join(
-                f"{name} x{ratio:.4f}" for name, ratio in self.growing))
+            parts.append(
+                "fastest-growing params: "
+                + ", ".join(f"{name} x{ratio:.4f}" for name, ratio in self.growing)
+            )
         return " | ".join(parts)
 
 
@@ -93,8 +101,11 @@ def scalars(norms: ParamNorms, breakdown: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     if breakdown:
         out[f"{TAG}-dense"], out[f"{TAG}-expert"] = float(norms.dense), float(norms.expert)
-    for kind, named in (("param", norms.per_param), ("layer", norms.per_layer),
-                        ("expert", norms.per_expert)):
+    for kind, named in (
+        ("param", norms.per_param),
+        ("layer", norms.per_layer),
+        ("expert", norms.per_expert),
+    ):
         if named is not None:
             out.update(zip((f"{TAG}/{kind}/{name}" for name in named), _values(named)))
     return out
@@ -141,8 +152,9 @@ class ParamsNormLog:
             if self._previous is not None:
                 growing = norms.fastest_growing(self._previous, self.top_k)
             self._previous = norms
-        dense, expert = ((float(norms.dense), float(norms.expert)) if self.breakdown
-                         else (None, None))
+        dense, expert = (
+            (float(norms.dense), float(norms.expert)) if self.breakdown else (None, None)
+        )
         return LoggedParamsNorm(float(norms.total), dense, expert, growing)
 
     def write(self, norms: ParamNorms, iteration: int, tensorboard: Any, wandb: Any) -> None:
@@ -159,8 +171,10 @@ def is_loop_model(model: Any, chunks: Optional[list[Any]]) -> bool:
     """Whether ``model`` (a chunk or a list of them) is exactly the loop's model ``chunks``:
     the deferred norm stands for the wrapped optimizer's model, and no other."""
     given = model if isinstance(model, list) else [model]
-    return chunks is not None and len(given) == len(chunks) and all(
-        a is b for a, b in zip(given, chunks)
+    return (
+        chunks is not None
+        and len(given) == len(chunks)
+        and all(a is b for a, b in zip(given, chunks))
     )
 
 
@@ -199,17 +213,22 @@ class LoopIntegration:
     #: The loop's setup function that builds the optimizer (for error messages).
     setup_name: str = "setup"
 
-    def __init__(self, targets: Sequence[tuple[ModuleType, str]], training_log: Callable[..., Any],
-                 log: ParamsNormLog, wrapper_options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        targets: Sequence[tuple[ModuleType, str]],
+        training_log: Callable[..., Any],
+        log: ParamsNormLog,
+        wrapper_options: dict[str, Any],
+    ) -> None:
         self.optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
         self._log = log
         self._wrapper_options = wrapper_options
         self._log_signature = inspect.signature(training_log)
         self._originals = {name: getattr(module, name) for module, name in targets}
-        self._patches = PatchSet.apply([
-            Patch(module, name, self._replacement(name)) for module, name in targets
-        ])
+        self._patches = PatchSet.apply(
+            [Patch(module, name, self._replacement(name)) for module, name in targets]
+        )
 
     def _replacement(self, name: str) -> Callable[..., Any]:
         """``self._<name>`` under the original's name, signature and docstring, marked as ours."""

@@ -84,8 +84,10 @@ class MegatronBridgeVersionError(NormOptimError, RuntimeError):
 
 
 def _versions() -> str:
-    return (f"megatron-bridge {distribution_version('megatron-bridge')} on megatron-core "
-            f"{distribution_version('megatron-core')}")
+    return (
+        f"megatron-bridge {distribution_version('megatron-bridge')} on megatron-core "
+        f"{distribution_version('megatron-core')}"
+    )
 
 
 def _bridge_modules() -> tuple[ModuleType, ModuleType]:
@@ -103,13 +105,16 @@ def _bridge_modules() -> tuple[ModuleType, ModuleType]:
 
 def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
     """Bridge's loop has the names :func:`install` replaces, with the parameters it reads."""
-    missing = [f"setup.{name}" for name in ("setup_optimizer",)
-               if not callable(getattr(setup, name, None))]
-    missing += [f"train.{name}" for name in ("calc_params_l2_norm", "training_log")
-                if not callable(getattr(train, name, None))]
+    missing = [
+        f"setup.{name}" for name in ("setup_optimizer",) if not callable(getattr(setup, name, None))
+    ]
+    missing += [
+        f"train.{name}"
+        for name in ("calc_params_l2_norm", "training_log")
+        if not callable(getattr(train, name, None))
+    ]
     if not missing:
-        missing = missing_parameters("train.training_log", train.training_log,
-                                     _TRAINING_LOG_PARAMS)
+        missing = missing_parameters("train.training_log", train.training_log, _TRAINING_LOG_PARAMS)
     if missing:
         raise MegatronBridgeVersionError(
             f"megatron.bridge.training of {_versions()} has no {', '.join(missing)}; norm_optim's "
@@ -122,15 +127,25 @@ def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
 # ---------------------------------------------------------------- the optimizer config
 
 
-def _build_megatron_optimizer(config: Any, model_chunks: Any, config_overrides: Any,
-                              use_gloo_process_groups: bool, pg_collection: Any) -> Any:
+def _build_megatron_optimizer(
+    config: Any,
+    model_chunks: Any,
+    config_overrides: Any,
+    use_gloo_process_groups: bool,
+    pg_collection: Any,
+) -> Any:
     """What Bridge's ``setup_optimizer`` builds for a config without ``provide``
     (``training/optim.py``): megatron's Muon / SOAP optimizer when named, else
     ``get_megatron_optimizer``."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    kwargs = dict(config=config, model_chunks=model_chunks, config_overrides=config_overrides,
-                  use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection)
+    kwargs = dict(
+        config=config,
+        model_chunks=model_chunks,
+        config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection,
+    )
     if "muon" not in config.optimizer and "soap" not in config.optimizer:
         return get_megatron_optimizer(**kwargs)
     from megatron.core.optimizer.muon import get_megatron_muon_optimizer
@@ -140,8 +155,9 @@ def _build_megatron_optimizer(config: Any, model_chunks: Any, config_overrides: 
     )
 
 
-def _wrap(optimizer: Any, model_chunks: Any, pg_collection: Any,
-          options: dict[str, Any]) -> NormAwareOptimizer:
+def _wrap(
+    optimizer: Any, model_chunks: Any, pg_collection: Any, options: dict[str, Any]
+) -> NormAwareOptimizer:
     if isinstance(optimizer, NormAwareOptimizer):
         return optimizer
     if pg_collection is not None:  # Bridge passes one with use_decentralized_pg only
@@ -149,13 +165,18 @@ def _wrap(optimizer: Any, model_chunks: Any, pg_collection: Any,
     return NormAwareOptimizer(optimizer, model=model_chunks, **options)
 
 
-def _provide(self: Any, model_chunks: Any, config_overrides: Any = None,
-             use_gloo_process_groups: bool = False, pg_collection: Any = None
-             ) -> NormAwareOptimizer:
+def _provide(
+    self: Any,
+    model_chunks: Any,
+    config_overrides: Any = None,
+    use_gloo_process_groups: bool = False,
+    pg_collection: Any = None,
+) -> NormAwareOptimizer:
     """Build the optimizer as Bridge's ``setup_optimizer`` would, wrapped once in
     :class:`~norm_optim.NormAwareOptimizer` with the model chunks."""
-    optimizer = _build_megatron_optimizer(self, model_chunks, config_overrides,
-                                          use_gloo_process_groups, pg_collection)
+    optimizer = _build_megatron_optimizer(
+        self, model_chunks, config_overrides, use_gloo_process_groups, pg_collection
+    )
     return _wrap(optimizer, model_chunks, pg_collection, getattr(self, _OPTIONS_ATTR, {}))
 
 
@@ -228,8 +249,10 @@ def log_reads_params_norm(logger_config: Any, iteration: int) -> bool:
     """
     if iteration % logger_config.log_interval == 0:
         return True
-    writes = any(getattr(logger_config, name, None) for name in
-                 ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project"))
+    writes = any(
+        getattr(logger_config, name, None)
+        for name in ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project")
+    )
     return writes and iteration % logger_config.tensorboard_log_interval == 0
 
 
@@ -240,17 +263,25 @@ class MegatronBridgeIntegration(LoopIntegration):
     calc_params_l2_norm_path = "megatron.bridge.training.train.calc_params_l2_norm"
     setup_name = "setup_optimizer"
 
-    def __init__(self, setup: ModuleType, train: ModuleType, log: ParamsNormLog,
-                 wrapper_options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        setup: ModuleType,
+        train: ModuleType,
+        log: ParamsNormLog,
+        wrapper_options: dict[str, Any],
+    ) -> None:
         super().__init__(
             [(setup, "setup_optimizer"), (train, "calc_params_l2_norm"), (train, "training_log")],
-            train.training_log, log, wrapper_options,
+            train.training_log,
+            log,
+            wrapper_options,
         )
 
     def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(optimizer_config, "provide"):
-            optimizer_config = norm_aware_optimizer_config(optimizer_config,
-                                                           **self._wrapper_options)
+            optimizer_config = norm_aware_optimizer_config(
+                optimizer_config, **self._wrapper_options
+            )
         original = self._originals["setup_optimizer"]
         optimizer, scheduler = original(optimizer_config, *args, **kwargs)
         bound = inspect.signature(original).bind(optimizer_config, *args, **kwargs)
@@ -258,14 +289,16 @@ class MegatronBridgeIntegration(LoopIntegration):
         chunks = model if isinstance(model, list) else [model]
         # A config with its own ``provide`` may return an unwrapped optimizer: wrap it here
         # (the scheduler then holds the unwrapped one, which shares its param groups).
-        optimizer = _wrap(optimizer, chunks, bound.arguments.get("pg_collection"),
-                          self._wrapper_options)
+        optimizer = _wrap(
+            optimizer, chunks, bound.arguments.get("pg_collection"), self._wrapper_options
+        )
         self.optimizer, self.model = optimizer, chunks
         return optimizer, scheduler
 
     def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
-        return log_reads_params_norm(arguments["config"].logger,
-                                     arguments["global_state"].train_state.step)
+        return log_reads_params_norm(
+            arguments["config"].logger, arguments["global_state"].train_state.step
+        )
 
     def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
         # Where and when training_log writes Bridge's params-norm.
@@ -276,8 +309,9 @@ class MegatronBridgeIntegration(LoopIntegration):
         return iteration, state.tensorboard_logger, state.wandb_logger
 
 
-def install(*, breakdown: bool = False, per_param: bool = False,
-            **wrapper_options: Any) -> MegatronBridgeIntegration:
+def install(
+    *, breakdown: bool = False, per_param: bool = False, **wrapper_options: Any
+) -> MegatronBridgeIntegration:
     """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
 
     Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
@@ -313,5 +347,6 @@ def install(*, breakdown: bool = False, per_param: bool = False,
             "on the handle install() returned before installing again"
         )
     _check_hooks(setup, train)
-    return MegatronBridgeIntegration(setup, train, ParamsNormLog(breakdown, per_param),
-                                     wrapper_options)
+    return MegatronBridgeIntegration(
+        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options
+    )

@@ -113,10 +113,12 @@ class MegatronLMIntegration(LoopIntegration):
     calc_params_l2_norm_path = "megatron.training.training.calc_params_l2_norm"
     setup_name = "setup_model_and_optimizer"
 
-    def __init__(self, training: ModuleType, log: ParamsNormLog,
-                 wrapper_options: dict[str, Any]) -> None:
-        super().__init__([(training, name) for name in _PATCHED], training.training_log, log,
-                         wrapper_options)
+    def __init__(
+        self, training: ModuleType, log: ParamsNormLog, wrapper_options: dict[str, Any]
+    ) -> None:
+        super().__init__(
+            [(training, name) for name in _PATCHED], training.training_log, log, wrapper_options
+        )
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         model, optimizer, scheduler = self._originals["setup_model_and_optimizer"](*args, **kwargs)
@@ -126,8 +128,11 @@ class MegatronLMIntegration(LoopIntegration):
         return model, optimizer, scheduler
 
     def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
-        return log_reads_params_norm(_global_vars().get_args(), arguments["iteration"],
-                                     bool(arguments.get("is_first_iteration", False)))
+        return log_reads_params_norm(
+            _global_vars().get_args(),
+            arguments["iteration"],
+            bool(arguments.get("is_first_iteration", False)),
+        )
 
     def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
         # Where and when training_log writes Megatron's params-norm (the last rank has them).
@@ -138,8 +143,9 @@ class MegatronLMIntegration(LoopIntegration):
         return iteration, writer, global_vars.get_wandb_writer()
 
 
-def install(*, breakdown: bool = False, per_param: bool = False,
-            **wrapper_options: Any) -> MegatronLMIntegration:
+def install(
+    *, breakdown: bool = False, per_param: bool = False, **wrapper_options: Any
+) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
 
     Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the

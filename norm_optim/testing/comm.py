@@ -42,8 +42,9 @@ class RecordingCommunicator:
     exchange at 16,384 ranks on one process.
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, device: str = "cpu",
-                 peers: Optional[Peers] = None) -> None:
+    def __init__(
+        self, rank: int = 0, size: int = 1, device: str = "cpu", peers: Optional[Peers] = None
+    ) -> None:
         self._rank, self._size, self._device = rank, size, torch.device(device)
         self._peers = peers
         self.calls: list[tuple[str, ProcessGroup, Optional[torch.Size]]] = []
@@ -79,9 +80,12 @@ class RecordingCommunicator:
     def all_gather_tensor(self, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         self.calls.append(("all_gather", group, tensor.shape))
         index = self._count("all_gather")
-        parts = [tensor if r == self._rank or self._peers is None
-                 else torch.as_tensor(self._peers("all_gather", r, index)).to(tensor)
-                 for r in range(self._size)]
+        parts = [
+            tensor
+            if r == self._rank or self._peers is None
+            else torch.as_tensor(self._peers("all_gather", r, index)).to(tensor)
+            for r in range(self._size)
+        ]
         self.traffic.sent += tensor.nbytes
         self.traffic.received += tensor.nbytes * self._size
         return torch.stack(parts)

@@ -49,8 +49,9 @@ class RankFailedError(RuntimeError):
     """
 
     def __init__(self, rank: int, message: str, remote_traceback: str) -> None:
-        super().__init__(f"rank {rank} failed: {message}\n\n--- rank {rank} traceback ---\n"
-                         f"{remote_traceback}")
+        super().__init__(
+            f"rank {rank} failed: {message}\n\n--- rank {rank} traceback ---\n{remote_traceback}"
+        )
         self.rank = rank
         self.remote_traceback = remote_traceback
 
@@ -137,9 +138,12 @@ def _child_main(
     with open(spec.stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
-            os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.rank),
-                              WORLD_SIZE=str(spec.world_size),
-                              LOCAL_WORLD_SIZE=str(spec.world_size))
+            os.environ.update(
+                RANK=str(spec.rank),
+                LOCAL_RANK=str(spec.rank),
+                WORLD_SIZE=str(spec.world_size),
+                LOCAL_WORLD_SIZE=str(spec.world_size),
+            )
             if spec.cpu_shim:
                 from norm_optim.testing._internal.shim import install_cpu_shim
 
@@ -189,8 +193,11 @@ def _dump_stacks(
         if pid is not None and procs[rank].is_alive():
             os.kill(pid, signal.SIGUSR1)
     time.sleep(_STACK_DUMP_GRACE_S)
-    return {rank: specs[rank].stack_file.read_text() for rank in ranks
-            if specs[rank].stack_file.exists()}
+    return {
+        rank: specs[rank].stack_file.read_text()
+        for rank in ranks
+        if specs[rank].stack_file.exists()
+    }
 
 
 def run_ranks(
@@ -227,8 +234,12 @@ def run_ranks(
     try:
         for spec in specs:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child_main, args=(spec, send, fn, args, kwargs),
-                               name=f"rank{spec.rank}", daemon=True)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(spec, send, fn, args, kwargs),
+                name=f"rank{spec.rank}",
+                daemon=True,
+            )
             proc.start()
             send.close()  # the parent keeps only the read end, so a dead child reads as EOF
             procs.append(proc)
@@ -266,9 +277,11 @@ def _collect(
             except EOFError:
                 procs[rank].join()
                 raise RankFailedError(
-                    rank, f"process died with exit code {procs[rank].exitcode}",
+                    rank,
+                    f"process died with exit code {procs[rank].exitcode}",
                     "(no traceback: the process exited without reporting; a negative exit "
-                    "code is the signal that killed it)") from None
+                    "code is the signal that killed it)",
+                ) from None
             if message[0] == "error":
                 _raise_for_error(rank, message)
             results[rank] = pickle.loads(message[1])

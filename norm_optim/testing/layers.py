@@ -47,7 +47,10 @@ def with_sequence_parallel_norms(spec: Any) -> Any:
     if isinstance(spec, list):
         return [with_sequence_parallel_norms(s) for s in spec]
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: with_sequence_parallel_norms(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
+        changes = {
+            f.name: with_sequence_parallel_norms(getattr(spec, f.name))
+            for f in dataclasses.fields(spec)
+            if f.init
+        }
         return dataclasses.replace(spec, **changes)
     return spec

@@ -85,8 +85,11 @@ def import_bridge() -> types.ModuleType:
         # torch implementations; that is the intended setup on CPU.
         warnings.simplefilter("ignore")
         with transformer_engine_for_lora_layers(), without_nvrx_async_checkpointing():
-            for name in ("megatron.bridge.training.pretrain", "megatron.bridge.training.gpt_step",
-                         "megatron.bridge.training.utils.train_utils"):
+            for name in (
+                "megatron.bridge.training.pretrain",
+                "megatron.bridge.training.gpt_step",
+                "megatron.bridge.training.utils.train_utils",
+            ):
                 importlib.import_module(name)
     return sys.modules["megatron.bridge.training.pretrain"]
 
@@ -159,26 +162,50 @@ def tiny_config(
     moe: dict[str, Any] = {}
     fsdp: dict[str, Any] = {}
     if megatron_fsdp:
-        fsdp = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
-                    gradient_reduce_div_fusion=False)
+        fsdp = dict(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy="optim_grads_params",
+            gradient_reduce_div_fusion=False,
+        )
     if num_experts:
-        moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=128,
-                   moe_token_dispatcher_type="allgather", moe_router_dtype="fp32",
-                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
-                   expert_tensor_parallel_size=tp)
+        moe = dict(
+            num_moe_experts=num_experts,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=128,
+            moe_token_dispatcher_type="allgather",
+            moe_router_dtype="fp32",
+            moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,
+        )
     model = GPTModelProvider(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-        vocab_size=128, seq_length=seq_length, make_vocab_size_divisible_by=128,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        vocab_size=128,
+        seq_length=seq_length,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=tp > 1 and bool(num_experts),
-        add_bias_linear=not num_experts, normalization="LayerNorm",
-        hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=True, transformer_layer_spec=cpu_layer_spec,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        cross_entropy_loss_fusion=False, persist_layer_norm=False,
+        add_bias_linear=not num_experts,
+        normalization="LayerNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+        transformer_layer_spec=cpu_layer_spec,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        persist_layer_norm=False,
         share_embeddings_and_output_weights=not torch_fsdp2,
         position_embedding_type="learned_absolute",
         **({"transformer_impl": "local"} if torch_fsdp2 else {}),
@@ -187,25 +214,52 @@ def tiny_config(
     return ConfigContainer(
         model=model,
         # The interleaved (VPP) schedule needs a multiple of PP micro-batches.
-        train=TrainingConfig(train_iters=train_iters, micro_batch_size=micro_batch_size,
-                             global_batch_size=micro_batch_size * dp * (pp if vpp else 1)),
+        train=TrainingConfig(
+            train_iters=train_iters,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=micro_batch_size * dp * (pp if vpp else 1),
+        ),
         validation=ValidationConfig(eval_interval=None, eval_iters=0),
-        optimizer=OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0,
-                                  bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0,
-                                  use_distributed_optimizer=use_distributed_optimizer),
-        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0,
-                                  start_weight_decay=0.0, end_weight_decay=0.0),
+        optimizer=OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            min_lr=0.0,
+            weight_decay=0.0,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            clip_grad=1.0,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        scheduler=SchedulerConfig(
+            lr_decay_style="constant",
+            lr_warmup_iters=0,
+            start_weight_decay=0.0,
+            end_weight_decay=0.0,
+        ),
         ddp=DistributedDataParallelConfig(
-            use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True,
-            num_distributed_optimizer_instances=num_distributed_optimizer_instances, **fsdp),
-        dataset=MockGPTDatasetConfig(seq_length=seq_length, random_seed=seed,
-                                     reset_attention_mask=False, reset_position_ids=False,
-                                     eod_mask_loss=False, num_dataset_builder_threads=1,
-                                     split="1,0,0", dataloader_type="single", num_workers=0,
-                                     skip_getting_attention_mask_from_dataset=True),
+            use_distributed_optimizer=use_distributed_optimizer,
+            grad_reduce_in_fp32=True,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            **fsdp,
+        ),
+        dataset=MockGPTDatasetConfig(
+            seq_length=seq_length,
+            random_seed=seed,
+            reset_attention_mask=False,
+            reset_position_ids=False,
+            eod_mask_loss=False,
+            num_dataset_builder_threads=1,
+            split="1,0,0",
+            dataloader_type="single",
+            num_workers=0,
+            skip_getting_attention_mask_from_dataset=True,
+        ),
         logger=LoggerConfig(
-            log_interval=log_interval, log_params_norm=True, tensorboard_dir=tensorboard_dir,
-            tensorboard_log_interval=tensorboard_log_interval or log_interval),
+            log_interval=log_interval,
+            log_params_norm=True,
+            tensorboard_dir=tensorboard_dir,
+            tensorboard_log_interval=tensorboard_log_interval or log_interval,
+        ),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
         checkpoint=CheckpointConfig(save=None, load=None),
         rng=RNGConfig(seed=seed, inference_rng_tracker=True),
@@ -237,8 +291,9 @@ def _flush_tensorboard(context: Any) -> None:
         writer.flush()
 
 
-def _pretrain_rank(config: Any, callbacks: Sequence[Any],
-                   before: Optional[Callable[[], Any]]) -> RankOutput:
+def _pretrain_rank(
+    config: Any, callbacks: Sequence[Any], before: Optional[Callable[[], Any]]
+) -> RankOutput:
     from megatron.bridge.training.callbacks import CallbackManager
     from megatron.bridge.training.gpt_step import forward_step
 
@@ -248,10 +303,15 @@ def _pretrain_rank(config: Any, callbacks: Sequence[Any],
     manager.register("on_train_end", _flush_tensorboard)
     out = io.StringIO()
     fsdp = config.ddp.use_megatron_fsdp or config.dist.use_megatron_fsdp
-    with install_bridge_cpu_patches(), (
-        install_bridge_megatron_fsdp_cpu_patches() if fsdp else contextlib.nullcontext()
-    ), (install_torch_fsdp2_cpu_patches() if config.dist.use_torch_fsdp2
-        else contextlib.nullcontext()):
+    with (
+        install_bridge_cpu_patches(),
+        install_bridge_megatron_fsdp_cpu_patches() if fsdp else contextlib.nullcontext(),
+        (
+            install_torch_fsdp2_cpu_patches()
+            if config.dist.use_torch_fsdp2
+            else contextlib.nullcontext()
+        ),
+    ):
         undo = before() if before is not None else None
         try:
             with contextlib.redirect_stdout(out):
@@ -283,5 +343,4 @@ def run_pretrain(
     from norm_optim.testing.launcher import run_ranks
 
     import_bridge()
-    return run_ranks(_pretrain_rank, world_size, config, list(callbacks), before,
-                     timeout=timeout)
+    return run_ranks(_pretrain_rank, world_size, config, list(callbacks), before, timeout=timeout)

@@ -97,8 +97,9 @@ def build_fsdp_model(
     if version == 2:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        ddp_overrides = dict(megatron_fsdp_version=2, use_distributed_optimizer=False,
-                             **ddp_overrides)
+        ddp_overrides = dict(
+            megatron_fsdp_version=2, use_distributed_optimizer=False, **ddp_overrides
+        )
         extra["pg_collection"] = ProcessGroupCollection.use_mpu_process_groups()
     ddp_config = DistributedDataParallelConfig(
         **{
@@ -186,6 +187,10 @@ def fill_fsdp_v2_deterministic_(model_chunks: Sequence[torch.nn.Module], seed: i
                 continue
             # experimental/dbuffer.py: the local buffer starts at global element ``offset``,
             # the param at ``layout.tensor_to_offset[index]``.
-            start = (buffer.offset + local.storage_offset() - buffer.local_buffer.storage_offset()
-                     - buffer.layout.tensor_to_offset[index])
-            local.copy_(flat[start:start + local.numel()].view_as(local).to(local.dtype))
+            start = (
+                buffer.offset
+                + local.storage_offset()
+                - buffer.local_buffer.storage_offset()
+                - buffer.layout.tensor_to_offset[index]
+            )
+            local.copy_(flat[start : start + local.numel()].view_as(local).to(local.dtype))

@@ -63,15 +63,18 @@ __all__ = [
 # of the bias fusions: without the two --no-bias-*-fusion flags the first iteration spends
 # ~24 s compiling), with gloo as the backend and the inference RNG tracker (no CUDA RNG).
 CPU_FLAGS: tuple[str, ...] = (
-    "--distributed-backend", "gloo",
-    "--transformer-impl", "local",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
     "--inference-rng-tracker",
     "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion",
     "--no-masked-softmax-fusion",
     "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion",
-    "--num-workers", "0",
+    "--num-workers",
+    "0",
 )
 
 
@@ -159,8 +162,11 @@ def _loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[Any, ..
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
-                                                    num_tokens.view(1)])}
+    return (
+        loss,
+        num_tokens,
+        {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])},
+    )
 
 
 def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
@@ -199,8 +205,9 @@ def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -
     )
 
     def built_here() -> bool:
-        return (mpu.get_tensor_model_parallel_rank() == 0
-                and is_first_or_last_pipeline_stage(vp_stage))
+        return mpu.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(
+            vp_stage
+        )
 
     return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, built_here, config).build()
 
@@ -235,29 +242,76 @@ def tiny_gpt_args(
     if global_batch_size is None:
         global_batch_size = micro_batch_size * dp * pp
     args = [
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--max-position-embeddings", "16",
-        "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--mock-data",
-        "--micro-batch-size", str(micro_batch_size),
-        "--global-batch-size", str(global_batch_size),
-        "--train-iters", str(train_iters), "--log-interval", str(log_interval),
-        "--eval-iters", "0", "--eval-interval", str(10**6),
-        "--lr", str(lr), "--min-lr", str(lr), "--lr-decay-style", "constant",
-        "--weight-decay", "0", "--clip-grad", "1.0",
-        "--bf16", "--log-params-norm", "--seed", "1234",
-        "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--tensor-model-parallel-size", str(tp),
-        "--pipeline-model-parallel-size", str(pp),
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--vocab-size",
+        "128",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--mock-data",
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--global-batch-size",
+        str(global_batch_size),
+        "--train-iters",
+        str(train_iters),
+        "--log-interval",
+        str(log_interval),
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        str(10**6),
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr),
+        "--lr-decay-style",
+        "constant",
+        "--weight-decay",
+        "0",
+        "--clip-grad",
+        "1.0",
+        "--bf16",
+        "--log-params-norm",
+        "--seed",
+        "1234",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
     ]
     if use_distributed_optimizer:
-        args += ["--use-distributed-optimizer",
-                 "--num-distributed-optimizer-instances",
-                 str(num_distributed_optimizer_instances)]
+        args += [
+            "--use-distributed-optimizer",
+            "--num-distributed-optimizer-instances",
+            str(num_distributed_optimizer_instances),
+        ]
     if num_experts:
-        args += ["--num-experts", str(num_experts), "--moe-router-topk", "2",
-                 "--expert-model-parallel-size", str(ep),
-                 "--moe-ffn-hidden-size", "32", "--disable-bias-linear",
-                 "--moe-token-dispatcher-type", "allgather"]
+        args += [
+            "--num-experts",
+            str(num_experts),
+            "--moe-router-topk",
+            "2",
+            "--expert-model-parallel-size",
+            str(ep),
+            "--moe-ffn-hidden-size",
+            "32",
+            "--disable-bias-linear",
+            "--moe-token-dispatcher-type",
+            "allgather",
+        ]
         if etp is not None:
             args += ["--expert-tensor-parallel-size", str(etp)]
         if tp > 1:
@@ -274,8 +328,11 @@ class PretrainResult:
     @property
     def log_lines(self) -> list[str]:
         """Megatron's per-iteration log lines (`` [date] iteration  N/ M | ...``)."""
-        return [line for line in self.stdout.splitlines() if " iteration " in line
-                and "consumed samples" in line]
+        return [
+            line
+            for line in self.stdout.splitlines()
+            if " iteration " in line and "consumed samples" in line
+        ]
 
 
 def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> PretrainResult:
@@ -295,8 +352,10 @@ def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> Pretrai
 
     out = io.StringIO()
     saved_argv = sys.argv
-    with megatron_lm_on_cpu(torch_fsdp2="--use-torch-fsdp2" in argv), \
-            contextlib.ExitStack() as stack:
+    with (
+        megatron_lm_on_cpu(torch_fsdp2="--use-torch-fsdp2" in argv),
+        contextlib.ExitStack() as stack,
+    ):
         if capture_stdout:
             stack.enter_context(contextlib.redirect_stdout(out))
         sys.argv = [sys.argv[0], *argv]
@@ -315,4 +374,3 @@ def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> Pretrai
             forward_step,
         )
     return PretrainResult(stdout=out.getvalue())
-

@@ -37,8 +37,15 @@ _GRID_DIMS = ["tp", "cp", "pp", "dp", "ep", "expt_dp"]
 _EXPERT_VIEW = "expert"
 # Every group a module's ProcessGroupCollection (and get_megatron_optimizer) needs.
 _GROUPS = {
-    "tp": ["tp"], "cp": ["cp"], "pp": ["pp"], "dp": ["dp"], "dp_cp": ["dp", "cp"],
-    "ep": ["ep"], "expt_dp": ["expt_dp"], "mp": ["tp", "pp"], "tp_ep_pp": ["tp", "ep", "pp"],
+    "tp": ["tp"],
+    "cp": ["cp"],
+    "pp": ["pp"],
+    "dp": ["dp"],
+    "dp_cp": ["dp", "cp"],
+    "ep": ["ep"],
+    "expt_dp": ["expt_dp"],
+    "mp": ["tp", "pp"],
+    "tp_ep_pp": ["tp", "ep", "pp"],
     "intra_dist_opt": ["tp", "cp", "dp", "pp"],
 }
 
@@ -90,14 +97,22 @@ class MimoLayout:
 def _grid(spec: ModuleGrid) -> Any:
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    grid = HyperCommGrid(shape=[spec.tp, 1, 1, spec.dp, 1, 1], dim_names=_GRID_DIMS,
-                         rank_offset=spec.offset, backend="gloo")
+    grid = HyperCommGrid(
+        shape=[spec.tp, 1, 1, spec.dp, 1, 1],
+        dim_names=_GRID_DIMS,
+        rank_offset=spec.offset,
+        backend="gloo",
+    )
     for dims in _GROUPS.values():  # a collective over the world: every rank, same order
         grid.create_pg(dims)
     # megatron-core 0.19's get_mimo_optimizer reads the expert groups from an "expert" view
     # (models/mimo/optimizer.py, _get_pg_collection_for_optimizer).
-    grid.register_view(_EXPERT_VIEW, shape=[spec.tp, 1, spec.dp, 1],
-                       dim_names=["expt_tp", "pp", "expt_dp", "ep"], shared_dims=["pp"])
+    grid.register_view(
+        _EXPERT_VIEW,
+        shape=[spec.tp, 1, spec.dp, 1],
+        dim_names=["expt_tp", "pp", "expt_dp", "ep"],
+        shared_dims=["pp"],
+    )
     grid.create_pg(["expt_tp", "ep", "pp"], view=_EXPERT_VIEW)
     grid.create_pg(["expt_dp"], view=_EXPERT_VIEW)
     return grid
@@ -119,10 +134,17 @@ def _config(layout: MimoLayout, tp: int, num_layers: int) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=num_layers, hidden_size=layout.hidden_size, num_attention_heads=4,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, variable_seq_lengths=True,
+        num_layers=num_layers,
+        hidden_size=layout.hidden_size,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # variable_seq_lengths refuses the default
     )
 
@@ -138,22 +160,41 @@ def _specs(layout: MimoLayout, encoder_pg: Any, language_pg: Any) -> tuple[Any, 
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    language = ModuleSpec(module=GPTModel, params=dict(
-        config=_config(layout, layout.language.tp, layout.num_layers),
-        transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=layout.vocab_size,
-        max_sequence_length=layout.seq_length, pg_collection=language_pg))
+    language = ModuleSpec(
+        module=GPTModel,
+        params=dict(
+            config=_config(layout, layout.language.tp, layout.num_layers),
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=layout.vocab_size,
+            max_sequence_length=layout.seq_length,
+            pg_collection=language_pg,
+        ),
+    )
     encoder_config = _config(layout, layout.encoder.tp, layout.num_layers)
-    projection_config = dataclasses.replace(_config(layout, layout.encoder.tp, 1),
-                                            ffn_hidden_size=layout.hidden_size)
-    encoder = ModuleSpec(module=TransformerBlock, params=dict(
-        config=encoder_config, spec=get_gpt_layer_local_spec(), pg_collection=encoder_pg))
-    projection = ModuleSpec(module=MultimodalProjector, params=dict(
-        config=projection_config,
-        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-        projector_type="mlp", input_size=layout.hidden_size, tp_group=encoder_pg.tp))
-    vision = ModuleSpec(module=VisionModalitySubmodules, params=dict(pg_collection=encoder_pg),
-                        submodules=dict(encoders={"clip_encoder": encoder},
-                                        input_projections=[projection]))
+    projection_config = dataclasses.replace(
+        _config(layout, layout.encoder.tp, 1), ffn_hidden_size=layout.hidden_size
+    )
+    encoder = ModuleSpec(
+        module=TransformerBlock,
+        params=dict(
+            config=encoder_config, spec=get_gpt_layer_local_spec(), pg_collection=encoder_pg
+        ),
+    )
+    projection = ModuleSpec(
+        module=MultimodalProjector,
+        params=dict(
+            config=projection_config,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            projector_type="mlp",
+            input_size=layout.hidden_size,
+            tp_group=encoder_pg.tp,
+        ),
+    )
+    vision = ModuleSpec(
+        module=VisionModalitySubmodules,
+        params=dict(pg_collection=encoder_pg),
+        submodules=dict(encoders={"clip_encoder": encoder}, input_projections=[projection]),
+    )
     return language, vision
 
 
@@ -171,17 +212,24 @@ def build_mimo_model(layout: MimoLayout, seed: int = 1234) -> Any:
     language_spec, vision_spec = _specs(layout, pgs[ENCODER], pgs[MIMO_LANGUAGE_MODULE_KEY])
     init_rng(seed)
     with install_mimo_cpu_patches():
-        model = MimoModel(MimoModelConfig(
-            language_model_spec=language_spec, modality_submodules_spec={ENCODER: vision_spec},
-            special_token_ids={ENCODER: _IMAGE_TOKEN}, module_to_grid_map=grids))
+        model = MimoModel(
+            MimoModelConfig(
+                language_model_spec=language_spec,
+                modality_submodules_spec={ENCODER: vision_spec},
+                special_token_ids={ENCODER: _IMAGE_TOKEN},
+                module_to_grid_map=grids,
+            )
+        )
     model.to(torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=layout.use_distributed_optimizer, grad_reduce_in_fp32=True)
+        use_distributed_optimizer=layout.use_distributed_optimizer, grad_reduce_in_fp32=True
+    )
     for name, module, pg in _modules(model, pgs):
         if name in layout.freeze:
             module.requires_grad_(False)
-        wrapped = DistributedDataParallel(config=_module_config(module), ddp_config=ddp_config,
-                                          module=module, pg_collection=pg)
+        wrapped = DistributedDataParallel(
+            config=_module_config(module), ddp_config=ddp_config, module=module, pg_collection=pg
+        )
         if name == MIMO_LANGUAGE_MODULE_KEY:
             model.language_model = wrapped
         else:
@@ -239,9 +287,11 @@ def mimo_param_shapes(model: Any, *, trainable_only: bool = False) -> dict[str, 
     (each rank knows the modules it holds)."""
     from norm_optim.testing.oracle import global_shape
 
-    local = {name: global_shape(name, param, tp_group=tp_group)
-             for name, param, tp_group in _named_params(model)
-             if param.requires_grad or not trainable_only}
+    local = {
+        name: global_shape(name, param, tp_group=tp_group)
+        for name, param, tp_group in _named_params(model)
+        if param.requires_grad or not trainable_only
+    }
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, local)
     merged: dict[str, tuple[int, ...]] = {}

@@ -18,8 +18,15 @@ import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
 
-__all__ = ["TinyGPTConfig", "build_chunk", "build_model", "build_optimizer", "train_step", "transformer_config",
-           "unwrap_gpt"]
+__all__ = [
+    "TinyGPTConfig",
+    "build_chunk",
+    "build_model",
+    "build_optimizer",
+    "train_step",
+    "transformer_config",
+    "unwrap_gpt",
+]
 
 
 @dataclass(frozen=True)
@@ -113,8 +120,11 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         perform_initialization=cfg.perform_initialization,
         **({"mtp_num_layers": cfg.mtp_num_layers} if cfg.mtp_num_layers else {}),
         **({"softmax_type": cfg.softmax_type} if cfg.softmax_type != "vanilla" else {}),
-        **({"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
-           if cfg.gated_linear_unit else {}),
+        **(
+            {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
+            if cfg.gated_linear_unit
+            else {}
+        ),
         bf16=cfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -215,13 +225,24 @@ def _hybrid_local_spec(cfg: TinyGPTConfig) -> Any:
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(
-            attention_layer=layer(TransformerLayer, input_layernorm=dense.input_layernorm,
-                                  self_attention=dense.self_attention,
-                                  self_attn_bda=dense.self_attn_bda),
-            mlp_layer=layer(MLPLayer, pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp,
-                            mlp_bda=dense.mlp_bda),
-            moe_layer=layer(MoETransformerLayer, pre_mlp_layernorm=moe.pre_mlp_layernorm,
-                            mlp=moe.mlp, mlp_bda=moe.mlp_bda),
+            attention_layer=layer(
+                TransformerLayer,
+                input_layernorm=dense.input_layernorm,
+                self_attention=dense.self_attention,
+                self_attn_bda=dense.self_attn_bda,
+            ),
+            mlp_layer=layer(
+                MLPLayer,
+                pre_mlp_layernorm=dense.pre_mlp_layernorm,
+                mlp=dense.mlp,
+                mlp_bda=dense.mlp_bda,
+            ),
+            moe_layer=layer(
+                MoETransformerLayer,
+                pre_mlp_layernorm=moe.pre_mlp_layernorm,
+                mlp=moe.mlp,
+                mlp_bda=moe.mlp_bda,
+            ),
         ),
     )
 
@@ -396,8 +417,10 @@ def train_step(
     gpt = unwrap_gpt(model_chunks[0])
     seq_length, vocab_size = gpt.max_sequence_length, gpt.vocab_size
     generator = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(vocab_size, (micro_batch_size, seq_length), generator=generator)
-               for _ in range(num_microbatches)]
+    batches = [
+        torch.randint(vocab_size, (micro_batch_size, seq_length), generator=generator)
+        for _ in range(num_microbatches)
+    ]
     iterators = [iter(batches) for _ in model_chunks]
 
     for chunk in model_chunks:
@@ -429,4 +452,3 @@ def unwrap_gpt(chunk: torch.nn.Module) -> Any:
     while isinstance(chunk, wrappers):
         chunk = chunk.module
     return chunk
-

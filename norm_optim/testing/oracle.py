@@ -69,15 +69,17 @@ def _global_name(gpt: Any, name: str) -> str:
     # ``layer_number`` is global and 1-based; ``get_global_unique_param_name`` is not used
     # because in megatron-core 0.16.1 it returns local layer numbers for all but one VPP chunk.
     layer = gpt.decoder.layers[int(match.group(1))]
-    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end():]}"
+    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
     expert = _EXPERT.search(name)
     if expert is None:
         return name
     from megatron.core import parallel_state as ps
 
     offset = ps.get_expert_model_parallel_rank() * layer.mlp.experts.num_local_experts
-    return f"{name[:expert.start()]}.mlp.experts.local_experts.{offset + int(expert.group(1))}." \
-           f"{name[expert.end():]}"
+    return (
+        f"{name[: expert.start()]}.mlp.experts.local_experts.{offset + int(expert.group(1))}."
+        f"{name[expert.end() :]}"
+    )
 
 
 def named_global_parameters(
@@ -119,24 +121,33 @@ def _tp_split(name: str, param: torch.Tensor, tp_group: Any = None) -> _Split:
 
     def group_split(dim: int = 0, stride: int = 1) -> _Split:
         # a module with TP groups of its own (MIMO)
-        return _Split(torch.distributed.get_rank(tp_group),
-                      torch.distributed.get_world_size(tp_group), dim, stride)
+        return _Split(
+            torch.distributed.get_rank(tp_group),
+            torch.distributed.get_world_size(tp_group),
+            dim,
+            stride,
+        )
 
     if name.endswith(_SINK):
         if tp_group is not None:
             return group_split()
-        return _Split(ps.get_tensor_model_parallel_rank(),
-                      ps.get_tensor_model_parallel_world_size())
+        return _Split(
+            ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        )
     if not getattr(param, "tensor_model_parallel", False):
         return _Split()
     if tp_group is not None:
         return group_split(getattr(param, "partition_dim"), getattr(param, "partition_stride", 1))
     if _is_expert(name):
-        rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        rank, size = (
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+        )
     else:
         rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    return _Split(rank, size, getattr(param, "partition_dim"),
-                  getattr(param, "partition_stride", 1))
+    return _Split(
+        rank, size, getattr(param, "partition_dim"), getattr(param, "partition_stride", 1)
+    )
 
 
 def _gtp_rows(param: torch.Tensor) -> tuple[int, int] | None:
@@ -235,8 +246,9 @@ def fill_deterministic_(
     if fsdp_v2_parameter_groups(model_chunks):
         fill_fsdp_v2_deterministic_(model_chunks, seed)
         return
-    if any(hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups")
-           for c in model_chunks):
+    if any(
+        hasattr(getattr(c, "param_and_grad_buffer", None), "parameter_groups") for c in model_chunks
+    ):
         # Megatron-FSDP: its params' data are not the weights; write into its buffers.
         from norm_optim.testing.megatron_fsdp import fill_fsdp_deterministic_
 
@@ -279,8 +291,10 @@ def global_param_shapes(
     A collective over the world (``all_gather_object``); without ``torch.distributed`` it sees
     this process only. ``trainable_only`` drops params with ``requires_grad=False``.
     """
-    local = {name: (_global_shape(name, p), p.requires_grad)
-             for name, p in named_global_parameters(model_chunks)}
+    local = {
+        name: (_global_shape(name, p), p.requires_grad)
+        for name, p in named_global_parameters(model_chunks)
+    }
     gathered: list[Any] = [local]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         gathered = [None] * torch.distributed.get_world_size()
@@ -293,8 +307,11 @@ def global_param_shapes(
                     f"{name}: rank {rank} has (global shape, trainable) {entry}, another rank "
                     f"{merged[name]}; the global naming or shape rule is wrong for this layout"
                 )
-    return {n: shape for n, (shape, trainable) in sorted(merged.items())
-            if trainable or not trainable_only}
+    return {
+        n: shape
+        for n, (shape, trainable) in sorted(merged.items())
+        if trainable or not trainable_only
+    }
 
 
 def oracle_sum_of_squares(

@@ -204,11 +204,16 @@ def _parallelize(model: TinyTorchLM, tp_mesh: Any, *, every_param: bool) -> None
 
     plan: dict[str, Any] = {}
     for index in range(len(model.layers)):
-        plan.update({f"layers.{index}.fc1": ColwiseParallel(),
-                     f"layers.{index}.fc2": RowwiseParallel()})
+        plan.update(
+            {f"layers.{index}.fc1": ColwiseParallel(), f"layers.{index}.fc2": RowwiseParallel()}
+        )
     if every_param:
-        plan.update({"embed": RowwiseParallel(input_layouts=Replicate()),
-                     "head": ColwiseParallel(output_layouts=Replicate())})
+        plan.update(
+            {
+                "embed": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(output_layouts=Replicate()),
+            }
+        )
     parallelize_module(model, tp_mesh, plan)
     if every_param:
         # The odd-sized gate pair stays whole on every TP rank (no TP split of 5 rows).
@@ -236,8 +241,9 @@ def _replicate(module: torch.nn.Module, mesh: Any) -> None:
 def native_train_step(model: TinyTorchLM, optimizer: torch.optim.Optimizer, seed: int) -> float:
     """One real step on random tokens (the same on every rank); returns the loss."""
     cfg = model.cfg
-    tokens = torch.randint(cfg.vocab_size, (2, cfg.seq_length),
-                           generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(seed)
+    )
     logits = model(tokens)
     loss = torch.nn.functional.cross_entropy(
         logits.float().flatten(0, 1), torch.roll(tokens, -1, dims=1).flatten()

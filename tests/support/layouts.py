@@ -79,8 +79,16 @@ class Layout:
         gtp = {"gtp_remat_size": self.gtp} if self.gtp > 1 else {}
         if self.egtp > 1:
             gtp["expert_gtp_remat_size"] = self.egtp
-        return dict(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
-                    num_distributed_optimizer_instances=self.instances, **gtp)
+        return dict(
+            tp=self.tp,
+            pp=self.pp,
+            vpp=self.vpp,
+            cp=self.cp,
+            ep=self.ep,
+            etp=self.etp,
+            num_distributed_optimizer_instances=self.instances,
+            **gtp,
+        )
 
     def marks(self) -> list[Any]:
         """Skips, with the reason, where this megatron-core cannot build the layout."""
@@ -91,11 +99,16 @@ class Layout:
         if (self.gtp > 1 or self.egtp > 1) and not megatron_at_least(0, 19):
             return [pytest.mark.skip(reason="GTP weight remat exists since megatron-core 0.19")]
         if self.pg_collection and not megatron_at_least(0, 15):
-            return [pytest.mark.skip(reason="ProcessGroupCollection exists since megatron-core "
-                                     "0.15")]
+            return [
+                pytest.mark.skip(reason="ProcessGroupCollection exists since megatron-core 0.15")
+            ]
         if self.optimizer != "adam" and not (megatron_at_least(0, 19) and _has_emerging()):
-            return [pytest.mark.skip(reason=f"{self.optimizer} in get_megatron_optimizer needs "
-                                     "megatron-core >= 0.19 and emerging-optimizers (Python >= 3.12)")]
+            return [
+                pytest.mark.skip(
+                    reason=f"{self.optimizer} in get_megatron_optimizer needs "
+                    "megatron-core >= 0.19 and emerging-optimizers (Python >= 3.12)"
+                )
+            ]
         return []
 
 

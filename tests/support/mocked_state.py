@@ -50,8 +50,13 @@ def mocked_ranks(**ranks: int) -> Iterator[None]:
     mp.setattr(ps, "get_expert_tensor_parallel_rank", lambda: ranks.get("expert_tp", 0))
     mp.setattr(ps, "get_data_parallel_rank", lambda **_: ranks.get("dp_cp", 0))
     mp.setattr(ps, "get_expert_data_parallel_rank", lambda **_: ranks.get("expert_dp", 0))
-    for getter in ("tensor_model_parallel", "expert_tensor_parallel", "expert_model_parallel",
-                   "data_parallel", "expert_data_parallel"):
+    for getter in (
+        "tensor_model_parallel",
+        "expert_tensor_parallel",
+        "expert_model_parallel",
+        "data_parallel",
+        "expert_data_parallel",
+    ):
         size = ranks.get(f"{getter}_size", 1)
         mp.setattr(ps, f"get_{getter}_world_size", lambda size=size, **_: size)
     # No process groups exist: the replicating groups' first ranks read as 0.
@@ -66,8 +71,13 @@ def mocked_ranks(**ranks: int) -> Iterator[None]:
 def float16_optimizer(model: torch.nn.Module) -> Float16OptimizerWithFloat16Params:
     config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True)
     # The keys megatron's param-group matching expects (as _get_param_groups sets them).
-    group = dict(params=list(model.parameters()), wd_mult=1.0, lr_mult=1.0,
-                 is_expert_parallel=False, is_decoupled_lr=False)
+    group = dict(
+        params=list(model.parameters()),
+        wd_mult=1.0,
+        lr_mult=1.0,
+        is_expert_parallel=False,
+        is_decoupled_lr=False,
+    )
     inner = torch.optim.Adam([group], lr=1e-3)
     return Float16OptimizerWithFloat16Params(inner, config, None, lambda *_: None)
 

@@ -210,8 +210,13 @@ def build_precision_aware_optimizer(
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
-    config = dict(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16,
-                  use_distributed_optimizer=True)
+    config = dict(
+        optimizer="adam",
+        lr=1e-2,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+    )
     config.update(fields)
     with use_precision_aware_standin():
         return get_megatron_optimizer(

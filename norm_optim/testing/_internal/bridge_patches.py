@@ -68,10 +68,14 @@ def transformer_engine_for_lora_layers() -> Iterator[None]:
     original = builtins.__import__
     stand_in = _TransformerEngineStandIn("transformer_engine", (), {})
 
-    def import_(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
-                level: int = 0) -> Any:
-        if (name.split(".")[0] == "transformer_engine" and globals is not None
-                and globals.get("__name__") == _TE_IMPORTER):
+    def import_(
+        name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
+    ) -> Any:
+        if (
+            name.split(".")[0] == "transformer_engine"
+            and globals is not None
+            and globals.get("__name__") == _TE_IMPORTER
+        ):
             return stand_in
         return original(name, globals, locals, fromlist, level)
 
@@ -108,8 +112,11 @@ def install_bridge_cpu_patches() -> PatchSet:
     from megatron.bridge.training import initialize, setup
 
     return PatchSet.apply(
-        one_cuda_device_patches() + cpu_rng_state_patches() + allow_no_cuda_patches(setup)
-        + compile_helpers_patches(initialize) + jit_fusion_options_patches(setup)
+        one_cuda_device_patches()
+        + cpu_rng_state_patches()
+        + allow_no_cuda_patches(setup)
+        + compile_helpers_patches(initialize)
+        + jit_fusion_options_patches(setup)
     )
 
 
@@ -131,8 +138,9 @@ def megatron_fsdp_cpu_device_patches() -> list[Patch]:
     init = FullyShardedDataParallel.__init__
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, device: Optional[torch.device] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self: Any, *args: Any, device: Optional[torch.device] = None, **kwargs: Any
+    ) -> None:
         init(self, *args, device=device or torch.device("cpu"), **kwargs)
 
     return [Patch(FullyShardedDataParallel, "__init__", __init__)]

@@ -121,8 +121,11 @@ def torch_dist_save_patches() -> list[Patch]:
 
     patches = [
         Patch(multiprocessing.current_process(), "daemon", False),
-        Patch(filesystem_async, "_results_queue",
-              SynchronousQueue(ctx=multiprocessing.get_context("fork"))),
+        Patch(
+            filesystem_async,
+            "_results_queue",
+            SynchronousQueue(ctx=multiprocessing.get_context("fork")),
+        ),
     ]
     if not filesystem_async.HAVE_PSUTIL:
         patches.append(Patch(filesystem_async, "_process_memory", lambda: 0))

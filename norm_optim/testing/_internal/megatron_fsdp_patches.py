@@ -123,8 +123,11 @@ def install_megatron_fsdp_cpu_patches() -> PatchSet:
     if existing is not None and existing.installed:
         return existing
     patches = [
-        Patch(megatron_fsdp.MegatronFSDP, "__init__",
-               _cuda_index_during(megatron_fsdp.MegatronFSDP.__init__)),
+        Patch(
+            megatron_fsdp.MegatronFSDP,
+            "__init__",
+            _cuda_index_during(megatron_fsdp.MegatronFSDP.__init__),
+        ),
         Patch(adapter, "DeviceMesh", _CpuDeviceMesh),
         # FullyShardedDataParallel.sync_rng_states_across_tp_group (TP > 1) broadcasts the
         # CUDA RNG state.

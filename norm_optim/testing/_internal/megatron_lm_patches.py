@@ -27,8 +27,12 @@ def cpu_loop_patches() -> list[Patch]:
     """The patches any megatron-core training loop needs on CPU (on top of the CPU shim)."""
     from megatron.core.datasets import utils
 
-    return (one_cuda_device_patches() + compile_helpers_patches(utils) + cpu_rng_state_patches()
-            + torch_dist_save_patches())
+    return (
+        one_cuda_device_patches()
+        + compile_helpers_patches(utils)
+        + cpu_rng_state_patches()
+        + torch_dist_save_patches()
+    )
 
 
 def device_arch_patches() -> list[Patch]:
@@ -47,8 +51,11 @@ def megatron_lm_patches() -> list[Patch]:
     """The patches ``megatron.training``'s own code needs on CPU."""
     from megatron.training import training
 
-    return (allow_no_cuda_patches(training) + jit_fusion_options_patches(training)
-            + device_arch_patches())
+    return (
+        allow_no_cuda_patches(training)
+        + jit_fusion_options_patches(training)
+        + device_arch_patches()
+    )
 
 
 @contextlib.contextmanager

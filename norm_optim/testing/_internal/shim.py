@@ -180,8 +180,13 @@ def _megatron_patches() -> list[Patch]:
     else:
         # gloo's all_gather needs equal sizes, but the layer-wise optimizer all-gathers each
         # rank's (unequal) assigned params; megatron's broadcast_params distributes the same.
-        patches.append(Patch(LayerWiseDistributedOptimizer, "allgather_params",
-                             LayerWiseDistributedOptimizer.broadcast_params))
+        patches.append(
+            Patch(
+                LayerWiseDistributedOptimizer,
+                "allgather_params",
+                LayerWiseDistributedOptimizer.broadcast_params,
+            )
+        )
     patches += _inference_linear_patches()
     if not hasattr(moe_utils, "te_general_gemm"):
         # moe_utils binds ``te_general_gemm`` only when Transformer Engine imports, yet the
@@ -202,8 +207,9 @@ def _inference_linear_patches() -> list[Patch]:
     # Without Transformer Engine the inference linears are MagicMock placeholders, so the
     # isinstance in is_inference_column_parallel_linear (inference_layers.py), which every
     # MultiTokenPredictionLayer calls, raises TypeError; no module is one of them here.
-    return [Patch(multi_token_prediction, "is_inference_column_parallel_linear",
-                  lambda module: False)]
+    return [
+        Patch(multi_token_prediction, "is_inference_column_parallel_linear", lambda module: False)
+    ]
 
 
 def _torch_patches() -> list[Patch]:

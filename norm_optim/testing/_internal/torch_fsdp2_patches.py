@@ -38,7 +38,8 @@ def install_torch_fsdp2_cpu_patches() -> PatchSet:
     existing = getattr(tfsdp, _HANDLE_ATTR, None)
     if existing is not None and existing.installed:
         return existing
-    handle = PatchSet.apply([Patch(tfsdp, "DeviceMesh", _CpuDeviceMesh),
-                             Patch(tfsdp, _HANDLE_ATTR, None)])
+    handle = PatchSet.apply(
+        [Patch(tfsdp, "DeviceMesh", _CpuDeviceMesh), Patch(tfsdp, _HANDLE_ATTR, None)]
+    )
     setattr(tfsdp, _HANDLE_ATTR, handle)
     return handle
