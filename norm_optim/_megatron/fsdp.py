@@ -36,7 +36,7 @@ import torch
 from .._errors import UnknownParamError, UnsupportedOptimizerError
 from .._vocabulary import Source
 from .fsdp_v2 import v2_model_param
-from .holdings import Holding, leaves
+from .holdings import Holding, fp32_view_in, leaves, model_chunks_of
 
 _SHARDING = "optim_grads_params"
 
@@ -143,15 +143,8 @@ def _main_shard(
             "megatron_fsdp_main_params_dtype=torch.float32 (preserve_fp32_weights=True before "
             "megatron-core 0.17)"
         )
-    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
-    local = getattr(dist_param, "_local_tensor", dist_param)
-    data = mbuf.data
-    start = local.storage_offset() - data.storage_offset()
-    if (
-        local.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
-        or local.dtype != torch.float32
-        or not 0 <= start <= start + local.numel() <= data.numel()
-    ):
+    local = fp32_view_in(dist_param, mbuf.data)
+    if local is None:
         raise UnsupportedOptimizerError(
             f"{leaf} steps a tensor for a param of shape {tuple(param.shape)} that is not a view "
             "of its Megatron-FSDP main_weight_buffer: norm_optim does not know this layout"
@@ -163,18 +156,10 @@ def _main_shard(
 
 def _model_chunks(optimizer: Any) -> list[Any]:
     """The optimizer's Megatron-FSDP chunks, each once; anything else is a clear error."""
-    chunks: dict[int, Any] = {}
-    for leaf in leaves(optimizer):
-        for chunk in getattr(leaf, "model_chunks", None) or []:
-            chunks.setdefault(id(chunk), chunk)
-    if not chunks:
-        raise UnsupportedOptimizerError(
-            "the Megatron-FSDP optimizer knows no model chunks; build it with "
-            "get_megatron_optimizer(config, model_chunks)"
-        )
-    for chunk in chunks.values():
+    chunks = model_chunks_of(optimizer, "Megatron-FSDP")
+    for chunk in chunks:
         _check_chunk(chunk)
-    return list(chunks.values())
+    return chunks
 
 
 def _check_chunk(chunk: Any) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from .._errors import UnknownParamError, UnsupportedOptimizerError
 from .._vocabulary import Source
-from .holdings import Holding, leaves
+from .holdings import Holding, fp32_view_in, leaves, model_chunks_of
 
 # megatron/core/distributed/fsdp/src/megatron_fsdp/experimental/parameter_group.py (0.20.dev):
 # the weak back-reference from both the sharded and the original param to their group.
@@ -135,15 +135,8 @@ def _main_shard(
             "the optimizer was built?"
         )
     dist_param, leaf = found
-    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
-    local = getattr(dist_param, "_local_tensor", dist_param)
-    data = mbuf.local_buffer
-    start = local.storage_offset() - data.storage_offset()
-    if (
-        local.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
-        or local.dtype != torch.float32
-        or not 0 <= start <= start + local.numel() <= data.numel()
-    ):
+    local = fp32_view_in(dist_param, mbuf.local_buffer)
+    if local is None:
         raise UnsupportedOptimizerError(
             f"{leaf} steps a tensor for a Megatron-FSDP v2 param of shape {shape} that is not a "
             "view of its group's main_weight buffer: norm_optim does not know this layout"
@@ -187,16 +180,7 @@ def _offset_in_param(buffer: Any, index: int, tensor: Optional[torch.Tensor]) ->
 
 def _parameter_groups(optimizer: Any) -> Iterator[Any]:
     """The FSDP parameter groups of the optimizer's v2 chunks, each once."""
-    chunks: dict[int, Any] = {}
-    for leaf in leaves(optimizer):
-        for chunk in getattr(leaf, "model_chunks", None) or []:
-            chunks.setdefault(id(chunk), chunk)
-    if not chunks:
-        raise UnsupportedOptimizerError(
-            "the Megatron-FSDP v2 optimizer knows no model chunks; build it with "
-            "get_megatron_optimizer(config, model_chunks)"
-        )
-    for chunk in chunks.values():
+    for chunk in model_chunks_of(optimizer, "Megatron-FSDP v2"):
         # experimental/module.py: each fully_shard unit module gets ``parameter_groups``.
         units = [
             m for m in chunk.modules() if hasattr(m, "parameter_groups") and hasattr(m, "context")

@@ -1,4 +1,5 @@
-"""What an optimizer leaf holds for a model param (:class:`Holding`), and the leaves.
+"""What an optimizer leaf holds for a model param (:class:`Holding`), the leaves, and the model
+chunks they were built for.
 
 Shared by the optimizer readers (:mod:`.optimizers`) and Megatron-FSDP's (:mod:`.fsdp`),
 so that neither imports the other for it.
@@ -11,6 +12,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .._errors import UnsupportedOptimizerError
 from .._kernels import Summand
 from .._ownership import RankCoords
 from .._vocabulary import Source
@@ -63,3 +65,39 @@ def leaves(optimizer: Any) -> Iterator[Any]:
         return
     for member in inner:
         yield from leaves(member)
+
+
+def model_chunks_of(optimizer: Any, kind: str) -> list[Any]:
+    """The model chunks the optimizer's leaves were built for, each once.
+
+    Megatron-FSDP's readers (v1 and v2) find its buffers through them; ``kind`` names the
+    optimizer in the error when it knows none.
+    """
+    chunks: dict[int, Any] = {}
+    for leaf in leaves(optimizer):
+        for chunk in getattr(leaf, "model_chunks", None) or []:
+            chunks.setdefault(id(chunk), chunk)
+    if not chunks:
+        raise UnsupportedOptimizerError(
+            f"the {kind} optimizer knows no model chunks; build it with "
+            "get_megatron_optimizer(config, model_chunks)"
+        )
+    return list(chunks.values())
+
+
+def fp32_view_in(stepped: torch.Tensor, buffer: torch.Tensor) -> Optional[torch.Tensor]:
+    """The local tensor of ``stepped`` (a DTensor's local shard, or the tensor itself) when it
+    is an fp32 view inside ``buffer``, else None.
+
+    Megatron-FSDP (v1 and v2) steps DTensors whose local shards view its fp32 main-weight
+    buffers; anything else is a layout the readers do not know.
+    """
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
+    local = getattr(stepped, "_local_tensor", stepped)
+    start = local.storage_offset() - buffer.storage_offset()
+    inside = (
+        local.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and local.dtype == torch.float32
+        and 0 <= start <= start + local.numel() <= buffer.numel()
+    )
+    return local if inside else None
