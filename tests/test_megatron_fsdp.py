@@ -29,13 +29,12 @@ import torch
 from norm_optim._errors import UnsupportedOptimizerError
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.megatron_fsdp import build_fsdp_model, fill_fsdp_deterministic_
-from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
-from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
+from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim.testing.oracle import global_param_shapes
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms, unparallel_oracle
 
 SEED_A, SEED_B = 7, 8
-MAIN_SCALE = 1.0 + 2.0**-10
-REL = 1e-6
 TIMEOUT = 120.0
 
 
@@ -62,16 +61,6 @@ LAYOUTS = {
 }
 
 
-def _unparallel_shapes(cfg: TinyGPTConfig, freeze: tuple[str, ...]) -> dict[str, dict]:
-    """Rank body: the same model on one rank, no parallelism, plain DDP (the oracle's shapes)."""
-    init_parallel()
-    chunks = build_model(cfg, freeze=freeze)
-    return {
-        "all": global_param_shapes(chunks, trainable_only=False),
-        "trainable": global_param_shapes(chunks, trainable_only=True),
-    }
-
-
 def _scale_main_shards(optimizer: Any, factor: float) -> None:
     """Scale the fp32 tensors the optimizer steps (the DTensors' local main-weight shards)."""
     for group in optimizer.param_groups:
@@ -92,21 +81,6 @@ def _own_buffers(chunks: list) -> set[int]:
         for group in chunk.param_and_grad_buffer.parameter_groups
         for buffer in (group.main_weight_buffer, group.model_weight_buffer)
         if buffer is not None
-    }
-
-
-def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
-    """Total, split and per-param norms; the collectives they took, per call."""
-    counting.all_reduces = 0
-    total = float(optimizer.param_l2_norm())
-    split = optimizer.param_l2_norms()
-    per_param = optimizer.param_l2_norms(per_param=True)
-    return {
-        "total": total,
-        "dense": float(split.dense),
-        "expert": float(split.expert),
-        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
-        "collectives": counting.all_reduces / 3,
     }
 
 
@@ -181,7 +155,7 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     got: dict[str, Any] = {"shapes": global_param_shapes(chunks, trainable_only=False)}
 
     _fill(chunks, inner, SEED_A)
-    got["init"] = _read(optimizer, counting)
+    got["init"] = read_norms(optimizer, counting)
     own = _own_buffers(chunks)
     got["views_of_buffers"] = all(
         r.tensor.untyped_storage().data_ptr() in own for r in optimizer.registry.counted
@@ -194,7 +168,7 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["trained_changed"] = float(optimizer.param_l2_norm())
     got["rebuilt_by_steps"] = optimizer.registry is not registry
     _fill(chunks, inner, SEED_A)
-    got["after_steps"] = _read(optimizer, counting)
+    got["after_steps"] = read_norms(optimizer, counting)
     chunks[0].start_param_sync()  # the module now holds the original params
     got["raw_state"] = float(optimizer.param_l2_norm())
     optimizer.refresh()  # a registry built in that state
@@ -206,7 +180,7 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     _fill(chunks, inner, SEED_B)
     got["before_load"] = float(optimizer.param_l2_norm())
     dcp.load(_dcp_state_dict(chunks[0], layout.cfg.num_experts), checkpoint_id=directory)
-    got["after_load"] = _read(optimizer, counting)
+    got["after_load"] = read_norms(optimizer, counting)
     got["without_frozen"] = float(
         NormAwareOptimizer(inner, model=chunks, count_frozen=False).param_l2_norm()
     )
@@ -222,38 +196,11 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _oracle(cfg: TinyGPTConfig, freeze: tuple[str, ...], seed: int) -> dict[str, Any]:
-    shapes = run_ranks(_unparallel_shapes, 1, cfg, freeze)[0]
-    sums = oracle_sum_of_squares(shapes["all"], seed)
-    trainable = set(shapes["trainable"])
-    scaled = {n: s * (MAIN_SCALE**2 if n in trainable else 1.0) for n, s in sums.items()}
-    return {
-        "shapes": shapes["all"],
-        "total": math.sqrt(math.fsum(scaled.values())),
-        "expert": math.sqrt(math.fsum(s for n, s in scaled.items() if ".experts." in n)),
-        "trainable": math.sqrt(math.fsum(s for n, s in scaled.items() if n in trainable)),
-        "per_param": {n: math.sqrt(s) for n, s in scaled.items()},
-    }
-
-
-@functools.lru_cache(maxsize=None)
 def _run(name: str) -> tuple[dict[str, Any], ...]:
     """One run per layout, shared by the tests that check it."""
     layout = LAYOUTS[name]
     with tempfile.TemporaryDirectory(prefix="norm_optim_fsdp_") as directory:
         return tuple(run_ranks(_rank_body, layout.world, layout, directory, timeout=TIMEOUT))
-
-
-def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
-    assert got["total"] == pytest.approx(expected["total"], rel=REL), what
-    assert got["expert"] == pytest.approx(expected["expert"], rel=REL, abs=1e-12), what
-    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(
-        expected["total"] ** 2, rel=REL
-    ), what
-    assert set(got["per_param"]) == set(expected["per_param"]), f"{what}: per-param names"
-    for param_name, value in got["per_param"].items():
-        assert value == pytest.approx(expected["per_param"][param_name], rel=REL), param_name
-    assert got["collectives"] == 1, f"{what}: one all-reduce per call, breakdowns included"
 
 
 def _megatron_version() -> tuple[int, ...]:
@@ -292,20 +239,20 @@ def test_megatron_fsdp_norm_matches_unparallel_oracle(name: str) -> None:
     layout = LAYOUTS[name]
     if layout.freeze and (0, 16) <= _megatron_version() < (0, 17):
         pytest.skip(FROZEN_BEFORE_0_17)
-    a = _oracle(layout.cfg, layout.freeze, SEED_A)
-    b = _oracle(layout.cfg, layout.freeze, SEED_B)
+    a = unparallel_oracle(layout.cfg, layout.freeze, SEED_A)
+    b = unparallel_oracle(layout.cfg, layout.freeze, SEED_B)
     results = _run(name)
     for rank, got in enumerate(results):
         where = f"rank {rank}"
         assert got["shapes"] == a["shapes"], f"{where}: the layout's model differs"
-        _check_read(got["init"], a, f"{where}, at init")
+        check_read(got["init"], a, f"{where}, at init")
         assert got["views_of_buffers"], "a summed tensor is a copy, not Megatron-FSDP's own"
         assert got["trained_changed"] != pytest.approx(a["total"], rel=1e-4), "steps did nothing"
-        _check_read(got["after_steps"], a, f"{where}, after 2 steps")
+        check_read(got["after_steps"], a, f"{where}, after 2 steps")
         for state in ("raw_state", "raw_state_refreshed", "dtensor_state"):
             assert got[state] == pytest.approx(a["total"], rel=REL), f"{where}, {state}"
         assert got["before_load"] == pytest.approx(b["total"], rel=REL), where
-        _check_read(got["after_load"], a, f"{where}, after the checkpoint load")
+        check_read(got["after_load"], a, f"{where}, after the checkpoint load")
         assert got["without_frozen"] == pytest.approx(a["trainable"], rel=REL), "count_frozen"
         assert not got["rebuilt_by_steps"], "steps keep Megatron-FSDP's buffers: no rebuild"
         assert got["rebuilt_after_move"], "new main-weight storage must rebuild the registry"
@@ -337,7 +284,7 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
     rank's own experts only (the expert mesh has no EP axis); norm_optim is exact there."""
     _needs_megatron_training()
     layout = LAYOUTS[name]
-    expected = _oracle(layout.cfg, layout.freeze, SEED_A)["total"]
+    expected = unparallel_oracle(layout.cfg, layout.freeze, SEED_A)["total"]
     results = _run(name)
     for got in results:
         assert got["after_load"]["total"] == pytest.approx(expected, rel=REL)
@@ -348,7 +295,7 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
 def test_megatron_calc_params_l2_norm_is_exact_on_dense() -> None:
     """For fairness: without experts Megatron's DTensor walk is exact too (same run)."""
     _needs_megatron_training()
-    expected = _oracle(SMALL, (), SEED_A)["total"]
+    expected = unparallel_oracle(SMALL, (), SEED_A)["total"]
     for got in _run("tp2-dp2"):
         assert got["megatron"] == pytest.approx(expected, rel=1e-5)
 

@@ -36,9 +36,10 @@ from norm_optim.testing.megatron_fsdp import (
     fill_fsdp_v2_deterministic_,
     fsdp_v2_parameter_groups,
 )
-from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
-from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
+from norm_optim.testing.models import build_optimizer, train_step
+from norm_optim.testing.oracle import global_param_shapes
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms, unparallel_oracle
 
 pytestmark = pytest.mark.skipif(
     not has_megatron_fsdp_v2(),
@@ -46,8 +47,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 SEED_A, SEED_B = 7, 8
-MAIN_SCALE = 1.0 + 2.0**-10
-REL = 1e-6
 TIMEOUT = 240.0
 FROZEN = ("embedding.*", "decoder.layers.0.self_attention.*")
 
@@ -60,16 +59,6 @@ LAYOUTS = {
     "dp2-frozen": Layout(2, SMALL, freeze=FROZEN),
     "moe-ep2-edp2-frozen": Layout(4, SMALL_MOE, ep=2, freeze=FROZEN),
 }
-
-
-def _unparallel_shapes(cfg: TinyGPTConfig, freeze: tuple[str, ...]) -> dict[str, dict]:
-    """Rank body: the same model on one rank, no parallelism, plain DDP (the oracle's shapes)."""
-    init_parallel()
-    chunks = build_model(cfg, freeze=freeze)
-    return {
-        "all": global_param_shapes(chunks, trainable_only=False),
-        "trainable": global_param_shapes(chunks, trainable_only=True),
-    }
 
 
 def _fill(chunks: list, optimizer: Any, seed: int) -> None:
@@ -85,21 +74,6 @@ def _own_buffers(chunks: list) -> set[int]:
         buffer.local_buffer.untyped_storage().data_ptr()
         for group in fsdp_v2_parameter_groups(chunks)
         for buffer in (group.main_weight, group.model_weight)
-    }
-
-
-def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
-    """Total, split and per-param norms; the collectives they took, per call."""
-    counting.all_reduces = 0
-    total = float(optimizer.param_l2_norm())
-    split = optimizer.param_l2_norms()
-    per_param = optimizer.param_l2_norms(per_param=True)
-    return {
-        "total": total,
-        "dense": float(split.dense),
-        "expert": float(split.expert),
-        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
-        "collectives": counting.all_reduces / 3,
     }
 
 
@@ -147,7 +121,7 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     }
 
     _fill(chunks, inner, SEED_A)
-    got["init"] = _read(optimizer, counting)
+    got["init"] = read_norms(optimizer, counting)
     own = _own_buffers(chunks)
     got["views_of_buffers"] = all(
         r.tensor.untyped_storage().data_ptr() in own for r in optimizer.registry.counted
@@ -162,7 +136,7 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     got["trained_changed"] = float(optimizer.param_l2_norm())
     got["rebuilt_by_steps"] = optimizer.registry is not registry
     _fill(chunks, inner, SEED_A)
-    got["after_steps"] = _read(optimizer, counting)
+    got["after_steps"] = read_norms(optimizer, counting)
     got["without_frozen"] = float(
         NormAwareOptimizer(inner, model=chunks, count_frozen=False).param_l2_norm()
     )
@@ -176,54 +150,27 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _oracle(cfg: TinyGPTConfig, freeze: tuple[str, ...], seed: int) -> dict[str, Any]:
-    shapes = run_ranks(_unparallel_shapes, 1, cfg, freeze)[0]
-    sums = oracle_sum_of_squares(shapes["all"], seed)
-    trainable = set(shapes["trainable"])
-    scaled = {n: s * (MAIN_SCALE**2 if n in trainable else 1.0) for n, s in sums.items()}
-    return {
-        "shapes": shapes["all"],
-        "total": math.sqrt(math.fsum(scaled.values())),
-        "expert": math.sqrt(math.fsum(s for n, s in scaled.items() if ".experts." in n)),
-        "trainable": math.sqrt(math.fsum(s for n, s in scaled.items() if n in trainable)),
-        "per_param": {n: math.sqrt(s) for n, s in scaled.items()},
-    }
-
-
-@functools.lru_cache(maxsize=None)
 def _run(name: str) -> tuple[dict[str, Any], ...]:
     """One run per layout, shared by the tests that check it."""
     layout = LAYOUTS[name]
     return tuple(run_ranks(_rank_body, layout.world, layout, timeout=TIMEOUT))
 
 
-def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
-    assert got["total"] == pytest.approx(expected["total"], rel=REL), what
-    assert got["expert"] == pytest.approx(expected["expert"], rel=REL, abs=1e-12), what
-    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(
-        expected["total"] ** 2, rel=REL
-    ), what
-    assert set(got["per_param"]) == set(expected["per_param"]), f"{what}: per-param names"
-    for param_name, value in got["per_param"].items():
-        assert value == pytest.approx(expected["per_param"][param_name], rel=REL), param_name
-    assert got["collectives"] == 1, f"{what}: one all-reduce per call, breakdowns included"
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_megatron_fsdp_v2_norm_matches_unparallel_oracle(name: str) -> None:
     layout = LAYOUTS[name]
-    a = _oracle(layout.cfg, layout.freeze, SEED_A)
-    b = _oracle(layout.cfg, layout.freeze, SEED_B)
+    a = unparallel_oracle(layout.cfg, layout.freeze, SEED_A)
+    b = unparallel_oracle(layout.cfg, layout.freeze, SEED_B)
     results = _run(name)
     for rank, got in enumerate(results):
         where = f"rank {rank}"
         assert got["optimizer"] == "FullyShardedOptimizer", "not the v2 optimizer"
         assert got["shapes"] == a["shapes"], f"{where}: the layout's model differs"
-        _check_read(got["init"], a, f"{where}, at init")
+        check_read(got["init"], a, f"{where}, at init")
         assert got["views_of_buffers"], "a summed tensor is a copy, not Megatron-FSDP v2's own"
         assert got["trained_changed"] != pytest.approx(a["total"], rel=1e-4), "steps did nothing"
         assert not got["rebuilt_by_steps"], "steps keep v2's main weights: no rebuild"
-        _check_read(got["after_steps"], a, f"{where}, after 2 steps")
+        check_read(got["after_steps"], a, f"{where}, after 2 steps")
         assert got["without_frozen"] == pytest.approx(a["trainable"], rel=REL), "count_frozen"
         assert got["rebuilt_after_move"], "new main-weight storage must rebuild the registry"
         assert got["after_move"] == pytest.approx(b["total"], rel=REL), f"{where}, after move"
@@ -242,7 +189,7 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
     """The same run: Megatron-LM's ``calc_params_l2_norm`` on v2 sums each EP rank's own
     experts only (the expert mesh has no EP axis); norm_optim is exact there."""
     layout = LAYOUTS[name]
-    expected = _oracle(layout.cfg, layout.freeze, SEED_A)["total"]
+    expected = unparallel_oracle(layout.cfg, layout.freeze, SEED_A)["total"]
     for got in _run(name):
         assert got["init"]["total"] == pytest.approx(expected, rel=REL)
         assert got["megatron"] != pytest.approx(expected, rel=1e-3), got["megatron"]
@@ -251,7 +198,7 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_ep(name: str) -> None:
 @pytest.mark.parametrize("name", ["dp2", "dp4"])
 def test_megatron_calc_params_l2_norm_is_exact_on_dense(name: str) -> None:
     """For fairness: without experts Megatron's DTensor walk is exact on v2 too (same run)."""
-    expected = _oracle(SMALL, (), SEED_A)["total"]
+    expected = unparallel_oracle(SMALL, (), SEED_A)["total"]
     for got in _run(name):
         assert got["megatron"] == pytest.approx(expected, rel=1e-5)
 

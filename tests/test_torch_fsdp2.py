@@ -42,10 +42,9 @@ from norm_optim.testing.oracle import (
 )
 from norm_optim._versions import megatron_at_least
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms
 
 SEED_A, SEED_B = 7, 8
-MAIN_SCALE = 1.0 + 2.0**-10
-REL = 1e-6
 TIMEOUT = 180.0
 # 0.16 to 0.18 only: finalize_model_grads there passes force_all_reduce= to a
 # finish_grad_sync() that does not take it (0.14 and 0.15 do not pass it; 0.19 takes it).
@@ -80,33 +79,6 @@ class _Counting:
                 return super().all_reduce_sum(tensor, group, async_op)
 
         return Counting()
-
-
-def _read(optimizer: Any, counting: Any) -> dict[str, Any]:
-    """Total, split and per-param norms; the collectives they took, per call."""
-    counting.all_reduces = 0
-    total = float(optimizer.param_l2_norm())
-    split = optimizer.param_l2_norms()
-    per_param = optimizer.param_l2_norms(per_param=True)
-    return {
-        "total": total,
-        "dense": float(split.dense),
-        "expert": float(split.expert),
-        "per_param": {k: float(v) for k, v in per_param.per_param.items()},
-        "collectives": counting.all_reduces / 3,
-    }
-
-
-def _check_read(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
-    assert got["total"] == pytest.approx(expected["total"], rel=REL), what
-    assert got["expert"] == pytest.approx(expected["expert"], rel=REL, abs=1e-12), what
-    assert got["dense"] ** 2 + got["expert"] ** 2 == pytest.approx(
-        expected["total"] ** 2, rel=REL
-    ), what
-    assert set(got["per_param"]) == set(expected["per_param"]), f"{what}: per-param names"
-    for name, value in got["per_param"].items():
-        assert value == pytest.approx(expected["per_param"][name], rel=REL), f"{what}: {name}"
-    assert got["collectives"] == 1, f"{what}: one all-reduce per call, breakdowns included"
 
 
 def _expected(sums: dict[str, float]) -> dict[str, Any]:
@@ -194,7 +166,7 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
     }
 
     _fill(chunks, inner, SEED_A)
-    got["init"] = _read(optimizer, counting)
+    got["init"] = read_norms(optimizer, counting)
     mains = _fp32_tensors(chunks)
     got["views_of_mains"] = all(
         r.tensor.untyped_storage().data_ptr()
@@ -212,13 +184,13 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
         got["trained_changed"] = float(optimizer.param_l2_norm())
         got["rebuilt_by_steps"] = optimizer.registry is not registry
         _fill(chunks, inner, SEED_A)
-        got["after_steps"] = _read(optimizer, counting)
+        got["after_steps"] = read_norms(optimizer, counting)
 
     dcp.save(_main_state_dict(chunks[0]), checkpoint_id=directory)
     _fill(chunks, inner, SEED_B)
     got["before_load"] = float(optimizer.param_l2_norm())
     dcp.load(_main_state_dict(chunks[0]), checkpoint_id=directory)
-    got["after_load"] = _read(optimizer, counting)
+    got["after_load"] = read_norms(optimizer, counting)
     got["megatron"] = _megatron_norm(chunks, layout.cfg.bf16)
 
     registry = optimizer.registry  # new storage behind the wrapper's back: must rebuild
@@ -249,10 +221,10 @@ def test_megatron_torch_fsdp2_matches_unparallel_oracle(name: str) -> None:
         where = f"rank {rank}"
         assert got["optimizer"] == expected_kind
         assert got["shapes"] == a["shapes"], f"{where}: the layout's model differs"
-        _check_read(got["init"], a, f"{where}, at init")
+        check_read(got["init"], a, f"{where}, at init")
         assert got["views_of_mains"], "a summed tensor is not the optimizer's own fp32 shard"
         assert got["before_load"] == pytest.approx(b["total"], rel=REL), where
-        _check_read(got["after_load"], a, f"{where}, after the DCP load")
+        check_read(got["after_load"], a, f"{where}, after the DCP load")
         assert got["rebuilt_after_move"], "new local storage must rebuild the registry"
         assert got["after_move"] == pytest.approx(b["total"], rel=REL), f"{where}, after move"
         # FSDP2 shards every param over DP: nothing is a DP replica; TP duplicates remain.
@@ -269,7 +241,7 @@ def test_megatron_torch_fsdp2_after_real_steps(name: str) -> None:
     for rank, got in enumerate(_megatron_run(name)):
         assert got["trained_changed"] != pytest.approx(a["total"], rel=1e-4), "no steps"
         assert not got["rebuilt_by_steps"], "steps keep the DTensors: no rebuild"
-        _check_read(got["after_steps"], a, f"rank {rank}, after 2 steps")
+        check_read(got["after_steps"], a, f"rank {rank}, after 2 steps")
 
 
 def _train_once() -> None:
@@ -349,7 +321,7 @@ def _native_body(layout: NativeLayout, directory: str) -> dict[str, Any]:
     optimizer = NormAwareOptimizer(inner, model=model, comm=counting)
     got: dict[str, Any] = {
         "unsharded": before_sharding,
-        "init": _read(optimizer, counting),
+        "init": read_norms(optimizer, counting),
         "counted_numel": optimizer.registry.counted_numel,
         "numel": sum(p.numel() for p in model.parameters()),
     }
@@ -357,13 +329,13 @@ def _native_body(layout: NativeLayout, directory: str) -> dict[str, Any]:
     for step in range(2):
         native_train_step(model, optimizer, seed=step)
     got["rebuilt_by_steps"] = optimizer.registry is not registry
-    got["trained"], got["trained_oracle"] = _read(optimizer, counting), _full_sums(model)
+    got["trained"], got["trained_oracle"] = read_norms(optimizer, counting), _full_sums(model)
 
     dcp.save(model.state_dict(), checkpoint_id=directory)
     native_train_step(model, optimizer, seed=5)
     got["moved_on"], got["moved_on_oracle"] = float(optimizer.param_l2_norm()), _full_sums(model)
     dcp.load(model.state_dict(), checkpoint_id=directory)
-    got["after_load"] = _read(optimizer, counting)
+    got["after_load"] = read_norms(optimizer, counting)
 
     tokens = torch.zeros(1, model.cfg.seq_length, dtype=torch.long)
     model(tokens)  # forward only: the root keeps its params unsharded until the backward
@@ -399,15 +371,15 @@ def test_torch_native_fully_shard_matches_full_tensors(name: str) -> None:
     results = _native_run(name)
     for rank, got in enumerate(results):
         where = f"rank {rank}"
-        _check_read(got["init"], _expected(got["unsharded"]), f"{where}, at init")
+        check_read(got["init"], _expected(got["unsharded"]), f"{where}, at init")
         assert not got["rebuilt_by_steps"], "steps keep the DTensors: no rebuild"
         trained = _expected(got["trained_oracle"])
         assert trained["total"] != pytest.approx(got["init"]["total"], rel=1e-6), "no steps"
-        _check_read(got["trained"], trained, f"{where}, after 2 steps")
+        check_read(got["trained"], trained, f"{where}, after 2 steps")
         moved = _expected(got["moved_on_oracle"])["total"]
         assert moved != pytest.approx(trained["total"], rel=1e-6)
         assert got["moved_on"] == pytest.approx(moved, rel=REL), f"{where}, a third step"
-        _check_read(got["after_load"], trained, f"{where}, after the DCP load")
+        check_read(got["after_load"], trained, f"{where}, after the DCP load")
         assert got["mid_step"] == pytest.approx(trained["total"], rel=REL), where
         assert "unsharded now" in got["mid_step_refresh"], "a rebuild mid-step: a clear error"
         assert got["resharded_refreshed"] == pytest.approx(trained["total"], rel=REL), where
