@@ -261,10 +261,11 @@ def test_megatron_0_16_to_0_18_torch_fsdp2_cannot_train() -> None:
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp4", "tp2-dp2"])
-def test_megatron_calc_params_l2_norm_is_wrong_under_torch_fsdp2(name: str) -> None:
-    """The same run: Megatron-LM's ``calc_params_l2_norm`` (0.19) reports each rank's own bf16
-    shard (``to_local()`` drops ``main_param``; no sum over DP), about 1/sqrt(DP) of the truth;
-    norm_optim is exact there."""
+def test_megatron_calc_params_l2_norm_under_torch_fsdp2(name: str) -> None:
+    """The same run: Megatron-LM's ``calc_params_l2_norm`` from 0.19 on reports each rank's own
+    bf16 shard (``to_local()`` drops ``main_param``; no sum over DP), about 1/sqrt(DP) of the
+    truth; 0.17 and 0.18 still sum DTensor params over their group (from the bf16 weights, so
+    within 2e-3 of the fp32 mains' norm). norm_optim is exact on all of them."""
     pytest.importorskip(
         "megatron.training",
         reason="megatron-core 0.16.1 ships no "
@@ -275,8 +276,12 @@ def test_megatron_calc_params_l2_norm_is_wrong_under_torch_fsdp2(name: str) -> N
     dp = layout.world // layout.tp
     for got in _megatron_run(name):
         assert got["after_load"]["total"] == pytest.approx(expected, rel=REL)
-        assert got["megatron"] == pytest.approx(expected / math.sqrt(dp), rel=0.15)
-        assert got["megatron"] != pytest.approx(expected, rel=0.1)
+        if megatron_at_least(0, 19):
+            assert got["megatron"] == pytest.approx(expected / math.sqrt(dp), rel=0.15)
+            assert got["megatron"] != pytest.approx(expected, rel=0.1)
+        else:
+            assert got["megatron"] == pytest.approx(expected, rel=2e-3)
+            assert got["megatron"] != pytest.approx(expected, rel=REL)  # bf16, not the mains
 
 
 # ------------------------------------------------------------------ torch-native fully_shard
