@@ -44,6 +44,7 @@ from norm_optim.testing.oracle import (  # noqa: E402
     global_param_shapes,
     oracle_sum_of_squares,
 )
+from tests.support.loop_tags import oracle_tags  # noqa: E402
 
 SEED = 5
 ITERATIONS = 2
@@ -119,23 +120,9 @@ def _run(
     )
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
 def _oracle_tags(shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
-    """The oracle's value of every scalar ``install(per_param=True)`` writes, by tag: each
-    param, and each layer's and expert's params summed (grouped here from GPTModel's names,
-    apart from norm_optim._megatron.naming)."""
-    groups: dict[str, list[float]] = {}
-    for name, value in oracle_sum_of_squares(shapes, SEED).items():
-        groups[f"params-norm/param/{name}"] = [value]
-        if (layer := _LAYER.match(name)) is not None:
-            groups.setdefault(f"params-norm/layer/{layer.group(1)}", []).append(value)
-        if (expert := _EXPERT.match(name)) is not None:
-            tag = f"params-norm/expert/{expert.group(1)}.{expert.group(2)}"
-            groups.setdefault(tag, []).append(value)
-    return {tag: math.sqrt(math.fsum(values)) for tag, values in groups.items()}
+    """The oracle's value of every scalar ``install(per_param=True)`` writes, by tag."""
+    return oracle_tags(oracle_sum_of_squares(shapes, SEED))
 
 
 def _assert_per_param_scalars(tmp_path: Path, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -24,6 +24,7 @@ import pytest
 
 from norm_optim._comm import TorchCommunicator
 from norm_optim.testing import run_ranks
+from tests.support.loop_tags import oracle_tags
 
 
 def _skip_reason() -> str | None:
@@ -189,8 +190,6 @@ def _assert_serves_oracle(results: list[dict], iterations: int = 3) -> dict:
     return last
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROWING = re.compile(r" \| fastest-growing params: ((?:\S+ x[0-9.]+(?:, )?)+) \|")
 TENSORBOARD = (
     "--tensorboard-dir",
@@ -200,25 +199,10 @@ TENSORBOARD = (
 )
 
 
-def _oracle_rollups(sums: dict[str, float]) -> dict[str, float]:
-    """The oracle's norm of every scalar ``install(per_param=True)`` writes, by tag: each param,
-    and each layer's and expert's params summed (grouped here from GPTModel's names, apart from
-    norm_optim._megatron.naming)."""
-    groups: dict[str, list[float]] = {}
-    for name, value in sums.items():
-        groups[f"params-norm/param/{name}"] = [value]
-        if (layer := _LAYER.match(name)) is not None:
-            groups.setdefault(f"params-norm/layer/{layer.group(1)}", []).append(value)
-        if (expert := _EXPERT.match(name)) is not None:
-            tag = f"params-norm/expert/{expert.group(1)}.{expert.group(2)}"
-            groups.setdefault(tag, []).append(value)
-    return {tag: math.sqrt(math.fsum(values)) for tag, values in groups.items()}
-
-
 def _assert_per_param_scalars(last: dict, steps: Any) -> None:
     """At every step: exactly the oracle's per-param / per-layer / per-expert tags, each equal
     to the oracle (TensorBoard gets float64 values here: rel 1e-6 holds)."""
-    expected = _oracle_rollups(last["oracle_sums"])
+    expected = oracle_tags(last["oracle_sums"])
     assert any(tag.startswith("params-norm/expert/") for tag in expected) == (
         last["oracle_expert"] > 0
     )
