@@ -5,44 +5,10 @@ across all ranks. A rank counts a tensor it holds when it is the *canonical hold
 (expert-)TP or GTP duplicate, not a tied copy, and the one replica (or shard group) among those
 that hold the same elements that counts them (:func:`why_not_counted`).
 
-replicated over            canonical holder                            decided by
-=========================  ==========================================  =======================
-tensor parallelism         TP rank 0 (expert-TP rank 0 for experts)    ``tp_split``: the
-                           for params that TP does not split            model's sharding
-                                                                        declaration, else
-                                                                        the marker
-tied weights               the copy without ``shared=True`` (an output  ``shared`` attribute,
-                           weight that tying leaves unused: none)       model structure
-data / context parallel    DP×CP rank 0 (expert-DP rank 0 for experts)  ``Holding.replicated``
-                           for whole (non-sharded) main params
-distributed optimizer      the rank whose shard it is (shards            ``Holding.replicated``
-                           partition the param within one instance)      is False
-several dist-opt instances the shard group that holds the              ``Holding.
-(or experts at EP=1,       replicating group's first rank                shard_group``
-sharded over dense DP)
-layer-wise optimizer       the DP rank the param was assigned to         ``Holding.replicated``
-                                                                          is False
-GTP weight remat           GTP rank 0 (expert-GTP rank 0 for experts)  ``gtp_sharded``: params
-(megatron-core >= 0.19)    for params GTP does not shard; a sharded     GTP shards on dim 0;
-                           param's zero pad rows count as nothing       pads trimmed (registry)
-Megatron-FSDP              the rank whose shard of the bucket it is     ``Holding.replicated``
-                           (over DP×CP; expert-DP for experts)          is False
-torch FSDP2 / DTensor      ``Shard`` mesh axes partition it: every      ``Holding.
-(fully_shard, HSDP,        rank; ``Replicate`` axes: coordinate 0;      replica_coords``
-TP × FSDP meshes)          megatron's TP markers still apply on top     (placements)
-Megatron-FSDP v2           the rank whose slice of the group's flat     ``Holding.replicated``
-                           buffer it is (its mesh: DP×CP / expert-DP)   is False
-MIMO modules               every row above, within the module's own     ``Holding.coords``
-                           groups (its grid's TP, DP...)
-pipeline / expert parallel nothing to do: each stage / expert rank
-                           holds different params
-=========================  ==========================================  =======================
-
-A new layout is a new row here, not a new code path elsewhere.
-=======
 Which holder that is on each layout, and which fact of the adapter decides it, is the counting
-table in ``docs/counting.md``: the specification of this module. A new layout is a new row there
-and a new case here, not a new code path elsewhere.
+table in ``docs/counting.md``: the one text of the rule, and the specification of this module
+(``tests/test_counting_rule.py`` holds a case for each of its rows). A new layout is a new row
+there and a new case here, not a new code path elsewhere.
 """
 
 from __future__ import annotations
@@ -99,52 +65,57 @@ class RankCoords:
     expert_dp_peers: frozenset[int] = frozenset()
 
 
-def why_not_counted(
-    *,
-    expert: bool,
-    tp_split: bool,
-    replicated: bool,
-    coords: RankCoords,
-    tied_copy: bool,
-    shard_group: Optional[frozenset[int]] = None,
-    gtp_sharded: bool = False,
-    replica_coords: tuple[int, ...] = (),
-) -> Optional[NotCounted]:
-    """The reason this rank must not count a param's tensor, or None if it counts it.
+@dataclasses.dataclass(frozen=True)
+class Copies:
+    """What the rule needs to know of one tensor a rank holds for a model param: which groups
+    hold copies of the same elements (the adapter reads it from the optimizer and the model).
 
-    Args:
+    Attributes:
         expert: whether the param lives in an expert layer (split by expert-TP, replicated over
             expert-DP), whichever optimizer holds it.
         tp_split: whether the (expert-)TP group splits the param; if not, TP ranks other than 0
             hold duplicates.
         replicated: whether the tensor this rank holds is a whole copy that every rank of the
             (expert) data-parallel group holds too, rather than a part only this rank holds.
-        coords: this rank's coordinates.
+        tied_copy: whether the param is a copy of a tied weight counted elsewhere (megatron's
+            ``shared``, or an output weight tying leaves unused).
         shard_group: for a distributed-optimizer shard, the global ranks of the group the param
             is sharded over. Groups like it partition the replicating (expert) data-parallel
             group, each holding a full set of shards; the one holding its first rank counts.
         gtp_sharded: whether the (expert) GTP weight-remat group shards the param; if not, GTP
             ranks other than 0 hold copies.
-        tied_copy: whether the param is a copy of a tied weight counted elsewhere (megatron's
-            ``shared``, or an output weight tying leaves unused).
         replica_coords: for a DTensor, this rank's coordinate on each mesh axis that
             replicates it; only the ranks at 0 on all of them count it.
     """
-    if tied_copy:
+
+    expert: bool
+    tp_split: bool
+    replicated: bool
+    tied_copy: bool = False
+    shard_group: Optional[frozenset[int]] = None
+    gtp_sharded: bool = False
+    replica_coords: tuple[int, ...] = ()
+
+
+def why_not_counted(copies: Copies, coords: RankCoords) -> Optional[NotCounted]:
+    """The reason this rank must not count the tensor ``copies`` describes, or None if it
+    counts it (``coords``: this rank's coordinates in the groups that hold it)."""
+    if copies.tied_copy:
         return NotCounted.SHARED
+    expert = copies.expert
     tp_rank = coords.expert_tp if expert else coords.tp
-    if not tp_split and tp_rank != 0:
+    if not copies.tp_split and tp_rank != 0:
         return NotCounted.TP_DUPLICATE
     gtp_rank = coords.expert_gtp if expert else coords.gtp
-    if not gtp_sharded and gtp_rank != 0:
+    if not copies.gtp_sharded and gtp_rank != 0:
         return NotCounted.GTP_DUPLICATE
     dp_rank = coords.expert_dp if expert else coords.dp_cp
-    if replicated and dp_rank != 0:
+    if copies.replicated and dp_rank != 0:
         return NotCounted.DP_REPLICA
-    if any(replica_coords):
+    if any(copies.replica_coords):
         return NotCounted.MESH_REPLICA
     first = coords.expert_dp_first if expert else coords.dp_cp_first
-    if shard_group is not None and first not in shard_group:
+    if copies.shard_group is not None and first not in copies.shard_group:
         return NotCounted.OTHER_INSTANCE
     return None
 

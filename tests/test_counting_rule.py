@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 
 from norm_optim import NotCounted, RankCoords
-from norm_optim._ownership import why_not_counted
+from norm_optim._ownership import Copies, why_not_counted
 
 COUNTING_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "counting.md"
 
@@ -409,16 +409,16 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.layout}: {c.what}" for c in CASES])
 def test_rule(case: Case) -> None:
-    reason = why_not_counted(
+    copies = Copies(
         expert=case.expert,
         tp_split=case.tp_split,
         replicated=case.replicated,
-        coords=case.coords,
         tied_copy=case.tied_copy,
         shard_group=case.shard_group,
         gtp_sharded=case.gtp_sharded,
         replica_coords=case.replica_coords,
     )
+    reason = why_not_counted(copies, case.coords)
     assert reason == case.expected
 
 

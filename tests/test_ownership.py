@@ -119,18 +119,14 @@ def test_dtensor_replica_axes_and_mesh_checks() -> None:
     """The DTensor row of the rule, on plain data: a ``Replicate`` mesh axis counts on its
     coordinate 0 only; a mesh that spans megatron TP peers, or leaves out ranks of megatron's DP
     group, is a conflict (the registry refuses it)."""
-    from norm_optim._ownership import RankCoords, mesh_conflict, why_not_counted
+    from norm_optim._ownership import Copies, RankCoords, mesh_conflict, why_not_counted
     from norm_optim._vocabulary import NotCounted
 
     def reason(replica_coords: tuple[int, ...]) -> object:
-        return why_not_counted(
-            expert=False,
-            tp_split=True,
-            replicated=False,
-            coords=RankCoords(),
-            tied_copy=False,
-            replica_coords=replica_coords,
+        copies = Copies(
+            expert=False, tp_split=True, replicated=False, replica_coords=replica_coords
         )
+        return why_not_counted(copies, RankCoords())
 
     assert reason(()) is None and reason((0, 0)) is None
     assert reason((1,)) is NotCounted.MESH_REPLICA and reason((0, 1)) is NotCounted.MESH_REPLICA

@@ -16,9 +16,11 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   parameter groups' flat buffers, which ``FullyShardedOptimizer`` steps as DTensors.
 - :mod:`.mimo` — MIMO: a ``MimoOptimizer``'s per-module optimizers, each read with its module's
   own process groups (per-holding coordinates).
-- :mod:`.readers` — the entry points over a whole optimizer (its holdings, this rank's
-  coordinates, the reduction group's check), with MIMO dispatched there, above the modules it
-  builds on.
+- :mod:`.model` — the registry's one entry point, :func:`read_model`: every model param joined
+  with what this rank holds for it (MIMO's modules dispatched there, above the readers it
+  builds on), its traits and coordinates, and every layout's checks (FSDP2 params held
+  unsharded, DTensor meshes, GTP padding and megatron's own GTP layout bug) done.
+- :mod:`.readers` — this rank's coordinates and the reduction group's check, MIMO included.
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
 - :mod:`.declarations` — how the model's checkpoint declarations (``sharded_state_dict``) split
@@ -31,32 +33,26 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 """
 
 from .declarations import Declaration, Declarations, read_declarations
-from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
-from .fsdp import model_param
 from .holdings import Holding, leaves
-from .mimo import mimo_param_coords
 from .optimizers import fingerprint, where
-from .readers import check_reduce_group, rank_coords, read_holdings
-from .params import ModelStructure, ParamTraits, param_traits, without_padding
+from .model import HeldParam, ModelReading, read_model
+from .readers import check_reduce_group, rank_coords
+from .params import ModelStructure, ParamTraits, param_traits
 
 __all__ = [
     "Declaration",
     "Declarations",
+    "HeldParam",
     "Holding",
+    "ModelReading",
     "ModelStructure",
     "ParamTraits",
     "check_reduce_group",
     "fingerprint",
     "leaves",
-    "local_holding",
-    "mimo_param_coords",
-    "model_param",
     "param_traits",
     "rank_coords",
+    "read_model",
     "read_declarations",
-    "is_fsdp2_model",
-    "read_holdings",
-    "refuse_partial_meshes",
     "where",
-    "without_padding",
 ]

@@ -27,7 +27,7 @@ from .._errors import ParallelStateError, UnsupportedOptimizerError
 from .._ownership import RankCoords
 from .fsdp import model_param
 from .holdings import Holding
-from .optimizers import read_holdings
+from .optimizers import read_optimizer_holdings
 from .parallel_state import coords_from_pg_collection
 
 
@@ -43,7 +43,7 @@ def read_mimo(optimizer: Any, comm: Communicator) -> Iterator[Holding]:
         if not info.is_active or info.optimizer is None:
             continue  # not this rank's module (or a fully frozen one): nothing held here
         coords = _module_coords(name, info.pg_collection, comm)
-        for holding in read_holdings(info.optimizer, comm):
+        for holding in read_optimizer_holdings(info.optimizer, comm):
             yield dataclasses.replace(holding, coords=coords)
 
 

@@ -44,10 +44,10 @@ class _Context:
     group_ranks: Callable[[Any], frozenset[int]] = lambda group: frozenset({0})
 
 
-def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
+def read_optimizer_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
     """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order; DTensors (torch
     FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`). One optimizer over one
-    set of process groups: a ``MimoOptimizer``'s modules are read one level up (:mod:`.readers`)."""
+    set of process groups: a ``MimoOptimizer``'s modules are read one level up (:mod:`.model`)."""
     if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
         return list(read_megatron_fsdp_v2(optimizer, comm.group_ranks))
     if is_megatron_fsdp(optimizer):

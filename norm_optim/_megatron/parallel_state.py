@@ -16,7 +16,7 @@ from .._errors import ParallelStateError
 from .._ownership import RankCoords
 
 
-def rank_coords(comm: Communicator, pg_collection: Any = None) -> RankCoords:
+def coords_of_rank(comm: Communicator, pg_collection: Any = None) -> RankCoords:
     """This rank's :class:`RankCoords`, from ``pg_collection`` when given, else megatron's
     global parallel state (a MIMO optimizer's are per module: :mod:`.readers`)."""
     if pg_collection is not None:
@@ -146,7 +146,7 @@ def _rank_or_zero(comm: Communicator, group: Any) -> int:
     return comm.rank(group) if group is not None else 0
 
 
-def check_reduce_group(
+def check_model_ranks_in_group(
     comm: Communicator,
     group: object,
     pg_collection: object = None,
