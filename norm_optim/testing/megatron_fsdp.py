@@ -25,6 +25,7 @@ from norm_optim.testing._internal.megatron_fsdp_patches import (
     has_megatron_fsdp_v2,
     install_megatron_fsdp_cpu_patches,
 )
+from norm_optim.testing.values import deterministic_values, named_global_parameters, original_param
 
 __all__ = [
     "build_fsdp_model",
@@ -75,7 +76,7 @@ def build_fsdp_model(
         _matching_params,
         transformer_config,
     )
-    from norm_optim.testing._internal.shim import init_rng
+    from norm_optim.testing.cpu import init_rng
 
     pipeline = ps.get_pipeline_model_parallel_world_size()
     if pipeline > 1:
@@ -125,7 +126,6 @@ def fill_fsdp_deterministic_(model_chunks: Sequence[torch.nn.Module], seed: int)
     megatron's ``DataParallelBuffer.set_item``), so the optimizer's own tensors hold them.
     The next forward pass all-gathers the new model weights.
     """
-    from norm_optim.testing.oracle import deterministic_values, named_global_parameters
 
     where: dict[int, tuple[Any, int]] = {}
     for chunk in model_chunks:
@@ -152,27 +152,11 @@ def fsdp_v2_parameter_groups(model_chunks: Sequence[torch.nn.Module]) -> list[An
     ]
 
 
-def original_param(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    """The model param behind a Megatron-FSDP stand-in: v1's DTensors keep ``orig_param``; v2's
-    sharded params are paired with it in their parameter group
-    (``experimental/parameter_group.py``, ``_mfsdp_parameter_group``)."""
-    original = getattr(param, "orig_param", None)
-    if original is not None:
-        return original
-    group_ref = getattr(param, "_mfsdp_parameter_group", None)
-    group = group_ref() if group_ref is not None else None
-    for pair in getattr(group, "fsdp_parameters", ()):
-        if pair.sharded is param:
-            return pair.unsharded
-    return param
-
-
 @torch.no_grad()
 def fill_fsdp_v2_deterministic_(model_chunks: Sequence[torch.nn.Module], seed: int) -> None:
     """:func:`fill_fsdp_deterministic_` for Megatron-FSDP v2 chunks: each param's
     layout-independent values, written into this rank's slice of its group's fp32
     ``main_weight`` and (bf16) ``model_weight`` flat buffers, in place."""
-    from norm_optim.testing.oracle import deterministic_values, named_global_parameters
 
     where: dict[int, tuple[Any, int]] = {}
     for group in fsdp_v2_parameter_groups(model_chunks):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from norm_optim.testing._internal.mimo_patches import install_mimo_cpu_patches
+from norm_optim.testing.values import deterministic_values, global_shape
 
 __all__ = [
     "ENCODER",
@@ -205,7 +206,7 @@ def build_mimo_model(layout: MimoLayout, seed: int = 1234) -> Any:
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
     from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
 
-    from norm_optim.testing._internal.shim import init_rng
+    from norm_optim.testing.cpu import init_rng
 
     grids = {ENCODER: _grid(layout.encoder), MIMO_LANGUAGE_MODULE_KEY: _grid(layout.language)}
     pgs = {name: _pg_collection(grid) for name, grid in grids.items()}
@@ -274,7 +275,6 @@ def fill_mimo_deterministic_(model: Any, seed: int, optimizer: Any = None) -> No
     """The oracle's layout-independent values in every param (TP shards placed by their
     module's own TP group); ``optimizer.reload_model_params()`` copies them into the fp32
     masters."""
-    from norm_optim.testing.oracle import deterministic_values
 
     for name, param, tp_group in _named_params(model):
         param.copy_(deterministic_values(name, param, seed, tp_group=tp_group))
@@ -285,7 +285,6 @@ def fill_mimo_deterministic_(model: Any, seed: int, optimizer: Any = None) -> No
 def mimo_param_shapes(model: Any, *, trainable_only: bool = False) -> dict[str, tuple[int, ...]]:
     """Global name -> global shape of every param of the MIMO model, gathered over the world
     (each rank knows the modules it holds)."""
-    from norm_optim.testing.oracle import global_shape
 
     local = {
         name: global_shape(name, param, tp_group=tp_group)

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from norm_optim.testing._internal.torch_fsdp2_patches import install_torch_fsdp2_cpu_patches
+from norm_optim.testing.values import deterministic_values, named_global_parameters
 
 __all__ = [
     "TinyTorchLM",
@@ -57,7 +58,7 @@ def build_torch_fsdp2_model(cfg: Any = None, *, seed: int = 1234) -> list[torch.
 
     from norm_optim.testing._internal.megatron_fsdp_patches import cpu_shim_installed
     from norm_optim.testing.models import TinyGPTConfig, build_chunk, transformer_config
-    from norm_optim.testing._internal.shim import init_rng
+    from norm_optim.testing.cpu import init_rng
 
     if cpu_shim_installed():
         install_torch_fsdp2_cpu_patches()
@@ -83,8 +84,6 @@ def fill_dtensor_deterministic_(
     refreshes the fp32 main params.
     """
     from torch.distributed.tensor import distribute_tensor
-
-    from norm_optim.testing.oracle import deterministic_values, named_global_parameters
 
     for name, param in named_global_parameters(model_chunks):
         values = deterministic_values(name, param, seed).to(param.dtype)
