@@ -519,9 +519,9 @@ def test_log_reads_params_norm(
 
 @needs_loop
 def test_breakdown_value_is_the_total_float() -> None:
-    from norm_optim.integrations.megatron_lm import ParamsNormWithBreakdown
+    from norm_optim.integrations.megatron_lm import LoggedParamsNorm
 
-    value = ParamsNormWithBreakdown(5.0, 3.0, 4.0)
+    value = LoggedParamsNorm(5.0, 3.0, 4.0)
     assert value == 5.0 and float(value) == 5.0
     assert f" params norm: {value:.3f} |" == (
         " params norm: 5.000 | params norm dense: 3.000 | params norm expert: 4.000 |"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from norm_optim.integrations._common import LoggedParamsNorm, ParamsNormWithBreakdown
+from norm_optim.integrations._common import LoggedParamsNorm
 from norm_optim._megatron.naming import expert_of, layer_of, natural_key
 
 
@@ -48,7 +48,7 @@ def test_logged_value_formats_the_fields_it_has() -> None:
         "5.000 | fastest-growing params: decoder.layers.1.mlp.linear_fc1.weight x1.0123, "
         "output_layer.weight x1.0000"
     )
-    value = ParamsNormWithBreakdown(5.0, 3.0, 4.0, growing[:1])
+    value = LoggedParamsNorm(5.0, 3.0, 4.0, growing[:1])
     assert float(value) == 5.0
     assert f"{value:.2f}" == (
         "5.00 | params norm dense: 3.00 | params norm expert: 4.00 | "

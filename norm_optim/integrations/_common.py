@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .._errors import NormOptimError
+from .._moved import moved_names
 from .._norm import NamedNorms, ParamNorms
 from .._patching import Patch, PatchSet
 from .._wrapper import NormAwareOptimizer
@@ -59,9 +60,13 @@ class LoggedParamsNorm(float):
         return " | ".join(parts)
 
 
-ParamsNormWithBreakdown = LoggedParamsNorm
-"""The former name of :class:`LoggedParamsNorm` (``ParamsNormWithBreakdown(total, dense,
-expert)``)."""
+def moved_loop_names(module: str) -> Callable[[str], Any]:
+    """The ``__getattr__`` of each loop integration's module: the public names that were
+    renamed, served with a ``DeprecationWarning`` (the same in every integration)."""
+    return moved_names(
+        module,
+        {"ParamsNormWithBreakdown": ("0.3.0", "LoggedParamsNorm", lambda: LoggedParamsNorm)},
+    )
 
 
 class DeferredParamsNorm:

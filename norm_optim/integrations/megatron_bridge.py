@@ -56,7 +56,7 @@ from ._common import (
     LoggedParamsNorm,
     LoopIntegration,
     ParamsNormLog,
-    ParamsNormWithBreakdown,
+    moved_loop_names,
     installed_integration,
     missing_parameters,
 )
@@ -66,11 +66,13 @@ __all__ = [
     "MegatronBridgeVersionError",
     "LoggedParamsNorm",
     "NormAwareOptimizerConfig",
-    "ParamsNormWithBreakdown",
     "install",
     "log_reads_params_norm",
     "norm_aware_optimizer_config",
 ]
+
+# Renamed public names (ParamsNormWithBreakdown): served with a DeprecationWarning.
+_moved_names = moved_loop_names(__name__)
 
 # training_log parameters the integration reads (megatron-bridge 0.6).
 _TRAINING_LOG_PARAMS = ("params_norm", "config", "global_state")
@@ -210,7 +212,7 @@ def __getattr__(name: str) -> Any:
     # does not import Bridge; pickle and Bridge's YAML ``_target_`` find it by this path.
     if name == "NormAwareOptimizerConfig":
         return _config_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _moved_names(name)
 
 
 def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:

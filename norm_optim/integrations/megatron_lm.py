@@ -34,9 +34,10 @@ from .._errors import NormOptimError
 from .._versions import megatron_core_version_string
 from .._wrapper import NormAwareOptimizer
 from ._common import (
+    LoggedParamsNorm,
     LoopIntegration,
     ParamsNormLog,
-    ParamsNormWithBreakdown,
+    moved_loop_names,
     installed_integration,
     missing_parameters,
 )
@@ -44,10 +45,13 @@ from ._common import (
 __all__ = [
     "MegatronLMIntegration",
     "MegatronLMVersionError",
-    "ParamsNormWithBreakdown",
+    "LoggedParamsNorm",
     "install",
     "log_reads_params_norm",
 ]
+
+# Renamed public names (ParamsNormWithBreakdown): served with a DeprecationWarning.
+__getattr__ = moved_loop_names(__name__)
 
 # The names patched in megatron/training/training.py, in the order they are applied.
 _PATCHED = ("setup_model_and_optimizer", "calc_params_l2_norm", "training_log")

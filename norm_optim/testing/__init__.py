@@ -1,20 +1,35 @@
 """Test support for norm_optim users: run the real megatron-core on CPU gloo ranks.
 
+Every public module (each name below them is public; the package re-exports the common ones):
+
 - :mod:`~norm_optim.testing.launcher` — :func:`run_ranks` (a function on N gloo ranks, fresh
   processes, failures and hangs reported) and :func:`init_parallel`.
-- :func:`cpu_shim` / :func:`install_cpu_shim` — the test-only CPU shim for megatron-core's CUDA
-  code paths (``run_ranks`` installs it in each rank).
+- :mod:`~norm_optim.testing.cpu` — the test-only CPU shim for megatron-core's CUDA code paths
+  (:func:`cpu_shim`, :func:`install_cpu_shim`, :func:`init_rng`); ``run_ranks`` installs it in
+  each rank.
+- :mod:`~norm_optim.testing.comm` — :class:`RecordingCommunicator`, a communication seam that
+  records every collective (a mocked parallel state's view of what the norm reduces).
 - :mod:`~norm_optim.testing.models` — tiny GPT / MoE models on any layout, the real optimizer,
   one real training step.
-- :mod:`~norm_optim.testing.oracle` — layout-independent weight values and their exact norm.
+- :mod:`~norm_optim.testing.layers` — :class:`SequenceParallelTorchNorm`, the torch norm that
+  lets MoE models with TP run without Transformer Engine.
+- :mod:`~norm_optim.testing.values` — layout-independent param names, global shapes, the
+  deterministic values and their exact norm (a leaf: the fill modules build on it).
+- :mod:`~norm_optim.testing.oracle` — :func:`fill_deterministic_` on every data-parallel mode,
+  and the exact norms of :mod:`~norm_optim.testing.values` again.
+- :mod:`~norm_optim.testing.megatron_fsdp` — Megatron-FSDP (v1 and v2) models on CPU ranks,
+  deterministic weights written into their buffers.
+- :mod:`~norm_optim.testing.torch_fsdp2` — torch FSDP2 models (Megatron's and torch-native
+  ``fully_shard``), their DTensors filled.
+- :mod:`~norm_optim.testing.mimo` — MIMO models (``MimoModel`` / ``MimoOptimizer``) on CPU ranks.
 - :mod:`~norm_optim.testing.megatron_lm` — Megatron-LM's real ``pretrain()`` on CPU ranks
   (imported on demand: needs ``megatron.training``, megatron-core >= 0.19).
-- :mod:`~norm_optim.testing.megatron_fsdp` — Megatron-FSDP models on CPU ranks (test-only
-  patches, :func:`~norm_optim.testing.megatron_fsdp.build_fsdp_model`, deterministic weights
-  written into its buffers).
+- :mod:`~norm_optim.testing.megatron_bridge` — Megatron-Bridge's real ``pretrain()`` on CPU
+  ranks (imported on demand: needs Megatron-Bridge).
 
 The CPU patches these runners apply (and the CI workarounds behind them) are internal:
-``norm_optim.testing._internal``, not part of the API.
+``norm_optim.testing._internal``, not part of the API. ``norm_optim.testing.shim`` (0.2.0's
+path of the CPU shim) still imports, with a ``DeprecationWarning``, until 0.5.0.
 
 A multi-rank test::
 
@@ -42,7 +57,7 @@ from norm_optim.testing.oracle import (
     oracle_sum_of_squares,
 )
 from norm_optim.testing.layers import SequenceParallelTorchNorm
-from norm_optim.testing._internal.shim import (
+from norm_optim.testing.cpu import (  # the shim's public home
     CpuShim,
     cpu_shim,
     init_rng,

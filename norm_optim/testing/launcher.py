@@ -145,7 +145,7 @@ def _child_main(
                 LOCAL_WORLD_SIZE=str(spec.world_size),
             )
             if spec.cpu_shim:
-                from norm_optim.testing._internal.shim import install_cpu_shim
+                from norm_optim.testing.cpu import install_cpu_shim
 
                 install_cpu_shim()
             dist.init_process_group(

@@ -290,7 +290,7 @@ def build_model(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from norm_optim.testing._internal.shim import init_rng
+    from norm_optim.testing.cpu import init_rng
 
     init_rng(seed)
     config = transformer_config(cfg)

@@ -5,7 +5,7 @@ make the same CUDA assumptions in the same places; each function returns the rev
 :class:`~norm_optim._patching.Patch` list for one of them and names the code it exists
 for. The loop-specific ones (and the module each loop imported a function into) live in
 :mod:`norm_optim.testing.megatron_lm` and :mod:`norm_optim.testing.megatron_bridge`. On top of
-the CPU shim (:mod:`norm_optim.testing._internal.shim`), which ``run_ranks`` installs.
+the CPU shim (:mod:`norm_optim.testing.cpu`), which ``run_ranks`` installs.
 """
 
 from __future__ import annotations

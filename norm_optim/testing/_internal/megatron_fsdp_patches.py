@@ -144,7 +144,7 @@ def install_megatron_fsdp_cpu_patches() -> PatchSet:
 
 
 def cpu_shim_installed() -> bool:
-    from norm_optim.testing._internal.shim import _HANDLE_ATTR as SHIM_HANDLE
+    from norm_optim.testing.cpu import _HANDLE_ATTR as SHIM_HANDLE
 
     shim = getattr(torch.cuda.synchronize, SHIM_HANDLE, None)
     return shim is not None and shim.installed

@@ -1,4 +1,4 @@
-"""Test-only CPU shim for megatron-core (0.16.1 and 0.19.2).
+"""The test-only CPU shim for megatron-core (every supported release line).
 
 megatron-core hard-codes CUDA in the paths a norm test needs (DDP buffers, the
 optimizers, the MoE router and token dispatcher). This module patches exactly

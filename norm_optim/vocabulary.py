@@ -1,0 +1,10 @@
+"""Deprecated alias of :mod:`norm_optim._vocabulary` (moved in norm_optim 0.3.0); see ``CHANGELOG.md``."""
+
+from norm_optim._moved import moved_module
+
+moved_module(
+    __name__,
+    "norm_optim._vocabulary",
+    since="0.3.0",
+    replacement="norm_optim.Source / norm_optim.NotCounted",
+)
