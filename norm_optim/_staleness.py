@@ -17,6 +17,7 @@ tensors stay where they are is not noticed; call ``optimizer.refresh()`` after d
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,15 @@ import torch
 from ._megatron import fingerprint, where
 from ._registry import ParamRegistry
 from ._vocabulary import Source
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One look at the optimizer (:meth:`Staleness.check`): whether the registry is stale, and
+    the optimizer's fingerprint at that moment, which :meth:`Staleness.record` keeps."""
+
+    stale: bool
+    optimizer_print: tuple
 
 
 class Staleness:
@@ -37,22 +47,24 @@ class Staleness:
         self._optimizer = optimizer
         self._watched: tuple[torch.Tensor, ...] = ()
         self._recorded: Optional[tuple] = None  # None: no registry recorded yet
-        self._latest: Optional[tuple] = None  # the optimizer's print from the last check
 
-    def is_stale(self) -> bool:
-        """True when nothing was recorded yet, or the optimizer (or a watched frozen param)
-        replaced tensors since :meth:`record`."""
-        self._latest = fingerprint(self._optimizer)
-        return self._recorded is None or self._recorded != (self._latest, self._where_watched())
+    def check(self) -> Check:
+        """Look at the optimizer now: stale when nothing was recorded yet, or the optimizer (or
+        a watched frozen param) replaced tensors since :meth:`record`."""
+        optimizer_print = fingerprint(self._optimizer)
+        stale = self._recorded is None or self._recorded != (
+            optimizer_print,
+            self._where_watched(),
+        )
+        return Check(stale, optimizer_print)
 
-    def record(self, registry: ParamRegistry) -> None:
-        """Remember the state ``registry`` was built from (reusing the fingerprint of the
-        :meth:`is_stale` call that led to its build)."""
+    def record(self, registry: ParamRegistry, check: Check) -> None:
+        """Remember the state ``registry`` was built from: the optimizer as ``check`` (the
+        look that led to the build) saw it, and where its frozen params keep their data now."""
         frozen = [r.param for r in registry.counted if r.source is Source.FROZEN]
         # No optimizer holds frozen params: Module.to() or an offloaded model swaps their data.
         self._watched = tuple(frozen[:1] + frozen[-1:])
-        optimizer_print = self._latest if self._latest is not None else fingerprint(self._optimizer)
-        self._recorded = (optimizer_print, self._where_watched())
+        self._recorded = (check.optimizer_print, self._where_watched())
 
     @property
     def recorded_before(self) -> bool:

@@ -154,8 +154,8 @@ class NormAwareOptimizer:
     def _current_reducer(self) -> NormReducer:
         # Rebuild only when the optimizer replaced its tensors (see norm_optim._staleness).
         state = self._state
-        # is_stale() first: it also takes the fingerprint that record() below keeps.
-        if state.staleness.is_stale() or state.reducer is None:
+        check = state.staleness.check()
+        if check.stale or state.reducer is None:
             registry = ParamRegistry(
                 state.optimizer,
                 state.model,
@@ -169,7 +169,7 @@ class NormAwareOptimizer:
             state.reducer = NormReducer(
                 registry, state.comm, state.group, state.names, warm_up=first_build
             )
-            state.staleness.record(registry)
+            state.staleness.record(registry, check)
         return state.reducer
 
     # ---------------------------------------------------------------- delegation
