@@ -5,7 +5,9 @@
 # newest megatron-core (Python >= 3.12): make train-latest / make test-latest; Megatron-Bridge's
 # pretrain() tests, in an environment of their own: make test-bridge. The other release lines:
 # make test-0.14, test-0.15, test-0.17, test-0.18; megatron-core main: make test-main.
-# make lint checks the code with ruff (rules and layout: pyproject.toml [tool.ruff]).
+# make lint checks the code with ruff (rules and layout: pyproject.toml [tool.ruff]) and for
+# merge-conflict markers.
+# make gpu-check measures the CUDA path on one GPU, one table (docs/gpu-check.md); no CUDA: skips.
 PYTHON ?= python3
 VENV   ?= .venv
 MCORE  ?= megatron-core==0.16.1
@@ -70,7 +72,7 @@ define copy-env
 	rm -f $(2)/.norm_optim-installed
 endef
 
-.PHONY: train test lint bench setup train-latest test-latest bench-latest test-bridge
+.PHONY: train test lint bench gpu-check setup train-latest test-latest bench-latest test-bridge
 .PHONY: $(LINES:%=test-%) test-main mcore-main
 
 setup: $(STAMP)
@@ -88,13 +90,18 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# ruff check: the lint rules; ruff format --check: the layout ruff format would give.
+# ruff check: the lint rules; ruff format --check: the layout ruff format would give; no
+# tracked file may keep a merge-conflict marker line.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	bash .ci/no-conflict-markers
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.param_norm --quick $(ARGS)
+
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
 train-latest test-latest bench-latest:
 	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)'

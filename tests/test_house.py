@@ -1,0 +1,236 @@
+"""The shape of the house, checked: no import cycle, layout knowledge behind the adapter, one
+version, and every public name that moved still importable with a ``DeprecationWarning``.
+
+These read the source tree (``ast``), not a running megatron: they fail on the change that
+breaks the rule, whichever test happens to run the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "norm_optim"
+
+
+def _module_name(path: pathlib.Path, top: pathlib.Path) -> str:
+    parts = list(path.relative_to(top).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package(path: pathlib.Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def import_graph(root: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports, deferred (function-level) imports
+    included: a cycle through a deferred import is still a cycle of the design.
+
+    ``from pkg import sub`` counts as importing ``pkg.sub`` when ``sub`` is a module, and as
+    importing ``pkg`` (its ``__init__``) otherwise.
+    """
+    files = {_module_name(p, root.parent): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if _is_package(path) else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                subs = {f"{target}.{a.name}" for a in node.names} & files.keys()
+                deps.update(subs)
+                if len(subs) < len(node.names) and target in files:
+                    deps.add(target)
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path: pathlib.Path) -> None:
+    pkg = tmp_path / "norm_optim"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from norm_optim.sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from .. import a\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    assert cycles(import_graph(pkg)) == [["norm_optim.a", "norm_optim.sub.b"]]
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    graph = import_graph()
+    assert len(graph) > 40  # the package was read
+    assert cycles(graph) == []
+
+
+def test_the_registry_names_no_layout_and_no_release() -> None:
+    """Layout knowledge lives in the Megatron adapter (``norm_optim._megatron``); the registry
+    joins what it reads with the counting rule."""
+    source = (PACKAGE / "_registry.py").read_text(encoding="utf-8")
+    layouts = (
+        r"fsdp|dtensor|gtp|mimo|mesh|padding|pipeline|precision|muon|layer-wise|megatron-core\b"
+    )
+    assert re.findall(layouts, source, re.I) == []
+    assert re.findall(r"\b0\.\d+(\.\d+)?\b", source) == []  # no release numbers
+
+
+def test_the_counting_table_has_one_text() -> None:
+    """docs/counting.md is the rule's one text: the module points to it, holds no copy."""
+    source = (PACKAGE / "_ownership.py").read_text(encoding="utf-8")
+    assert "docs/counting.md" in source
+    assert "=========" not in source and "| replicated over" not in source
+
+
+def test_no_merge_conflict_marker_in_any_tracked_file() -> None:
+    """The same check as ``make lint`` (.ci/no-conflict-markers), here too."""
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "no-conflict-markers")], cwd=ROOT, capture_output=True
+    )
+    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+
+
+def test_the_version_is_written_once() -> None:
+    import norm_optim
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert config["metadata"]["version"] == "attr: norm_optim.__version__"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", norm_optim.__version__)
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert f"## [{norm_optim.__version__}]" in changelog or "## [Unreleased]" in changelog
+
+
+# 0.2.0's public modules, and where their names live now.
+MOVED_MODULES = {
+    "norm_optim.comm": "norm_optim._comm",
+    "norm_optim.errors": "norm_optim._errors",
+    "norm_optim.naming": "norm_optim._megatron.naming",
+    "norm_optim.norm": "norm_optim._norm",
+    "norm_optim.ownership": "norm_optim._ownership",
+    "norm_optim.registry": "norm_optim._registry",
+    "norm_optim.staleness": "norm_optim._staleness",
+    "norm_optim.versions": "norm_optim._versions",
+    "norm_optim.vocabulary": "norm_optim._vocabulary",
+    "norm_optim.wrapper": "norm_optim._wrapper",
+    "norm_optim.integrations.common": "norm_optim.integrations._common",
+    "norm_optim.testing.shim": "norm_optim.testing.cpu",
+    "norm_optim.testing.patching": "norm_optim._patching",
+    "norm_optim.testing.loop_patches": "norm_optim.testing._internal.loop_patches",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_a_moved_module_still_imports_with_a_deprecation_warning(old: str) -> None:
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(old) + r" is deprecated .* 0\.5\.0"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED_MODULES[old])
+    assert old in (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+
+
+def test_the_shim_of_0_2_0_gives_the_same_functions() -> None:
+    import norm_optim.testing
+
+    sys.modules.pop("norm_optim.testing.shim", None)
+    with pytest.warns(DeprecationWarning, match="norm_optim.testing.cpu"):
+        from norm_optim.testing.shim import cpu_shim, install_cpu_shim
+    assert install_cpu_shim is norm_optim.testing.install_cpu_shim
+    assert cpu_shim is norm_optim.testing.cpu_shim
+
+
+@pytest.mark.parametrize("loop", ["megatron_lm", "megatron_bridge"])
+def test_a_renamed_integration_name_warns_and_works(loop: str) -> None:
+    module = importlib.import_module(f"norm_optim.integrations.{loop}")
+    with pytest.warns(DeprecationWarning, match="LoggedParamsNorm"):
+        old = module.ParamsNormWithBreakdown
+    assert old is module.LoggedParamsNorm
+    assert f"{old(5.0, 3.0, 4.0):.1f}" == "5.0 | params norm dense: 3.0 | params norm expert: 4.0"
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        module.NoSuchName  # noqa: B018
+
+
+def test_both_integrations_export_the_same_shared_names() -> None:
+    from norm_optim.integrations import megatron_bridge, megatron_lm
+
+    def shared(module: object) -> set[str]:
+        loop_specific = re.compile(
+            r"^(MegatronLM|MegatronBridge|NormAwareOptimizerConfig|norm_aware)"
+        )
+        return {n for n in module.__all__ if not loop_specific.match(n)}  # type: ignore[attr-defined]
+
+    assert (
+        shared(megatron_lm)
+        == shared(megatron_bridge)
+        == {
+            "LoggedParamsNorm",
+            "install",
+            "log_reads_params_norm",
+        }
+    )
+    for module in (megatron_lm, megatron_bridge):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the current names do not warn
+            for name in module.__all__:
+                if name != "NormAwareOptimizerConfig":  # resolves through Bridge
+                    getattr(module, name)
+
+
+def test_the_testing_docstring_lists_every_public_module() -> None:
+    import norm_optim.testing
+
+    doc = norm_optim.testing.__doc__ or ""
+    modules = {
+        p.stem
+        for p in (PACKAGE / "testing").glob("*.py")
+        if not p.stem.startswith("_") and "moved_module(" not in p.read_text(encoding="utf-8")
+    }
+    assert modules, "no module found"
+    missing = [m for m in sorted(modules) if f":mod:`~norm_optim.testing.{m}`" not in doc]
+    assert missing == []
