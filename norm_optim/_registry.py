@@ -17,7 +17,7 @@ import torch
 from ._comm import Communicator
 from ._kernels import Summand
 from ._megatron import Declarations, HeldParam, read_model
-from ._ownership import RankCoords, why_not_counted
+from ._ownership import Copies, RankCoords, why_not_counted
 from ._vocabulary import NotCounted, Source, SplitFrom
 
 
@@ -47,6 +47,9 @@ class ParamRecord:
             megatron modules).
         note: for a megatron model's param, how megatron's marker disagrees with its
             declaration (the declaration counts), or why there is no declaration; else None.
+        copies: which groups hold copies of what this rank holds (the counting rule's input;
+            the audit compares those copies).
+        offset: where ``tensor`` starts in the flattened param (a shard's start, else 0).
     """
 
     name: str
@@ -60,6 +63,8 @@ class ParamRecord:
     tp_split: bool = False
     split_from: SplitFrom = SplitFrom.MARKER
     note: Optional[str] = None
+    copies: Optional[Copies] = None
+    offset: int = 0
 
     @property
     def numel(self) -> int:
@@ -185,4 +190,6 @@ def _record(held: HeldParam, *, count_frozen: bool) -> ParamRecord:
         tp_split=traits.tp_split,
         split_from=traits.split_from,
         note=traits.note,
+        copies=held.copies,
+        offset=holding.offset,
     )
