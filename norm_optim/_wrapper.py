@@ -12,9 +12,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ._audit import AuditReport, run_audit
 from ._comm import Communicator, ProcessGroup, TorchCommunicator
 from ._norm import NormReducer, ParamNorms, PendingNorms
-from ._megatron import check_reduce_group, rank_coords
+from ._megatron import audit_layout, check_reduce_group, rank_coords
 from ._ownership import RankCoords
 from ._registry import ParamRegistry
 from ._staleness import Staleness
@@ -36,6 +37,7 @@ class _State:
     staleness: Staleness
     reducer: Optional[NormReducer] = None
     names: Optional[list[tuple[str, bool]]] = None  # gathered per-param names, kept across rebuilds
+    pg_collection: Any = None  # the audit reads its groups from it too
 
 
 def _replaces_tensors(name: str) -> Callable[..., Any]:
@@ -93,7 +95,16 @@ class NormAwareOptimizer:
         object.__setattr__(
             self,
             "_state",
-            _State(optimizer, model, count_frozen, group, comm, coords, Staleness(optimizer)),
+            _State(
+                optimizer,
+                model,
+                count_frozen,
+                group,
+                comm,
+                coords,
+                Staleness(optimizer),
+                pg_collection=pg_collection,
+            ),
         )
         self._current_reducer()  # build now: bad input fails at wrap time, not at log time
 
@@ -124,6 +135,27 @@ class NormAwareOptimizer:
     def param_l2_norms_async(self, *, per_param: bool = False) -> PendingNorms:
         """Launch the sums and the all-reduce and return at once; ``.wait()`` gives the norms."""
         return self._current_reducer().launch(per_param=per_param, async_op=True)
+
+    @torch.no_grad()
+    def audit(self) -> AuditReport:
+        """Check the copies the norm assumes equal, bitwise: DP×CP and expert-DP replicas of
+        every weight and of replicated fp32 mains, (expert-)TP duplicates, tied copies, and on
+        every rank each model weight against the rounding of the main it holds.
+
+        A collective: every rank must call it. ``report.ok`` and ``report.findings`` are the
+        same on every rank (see ``docs/audit.md``). One pass over the tensors, a few
+        collectives sized by the number of params.
+        """
+        state = self._state
+        registry = self._current_reducer().registry
+        layout = audit_layout(
+            state.comm,
+            state.optimizer,
+            registry.chunks,
+            [r.param for r in registry],
+            state.pg_collection,
+        )
+        return run_audit(registry.records, layout, state.comm, state.group)
 
     @property
     def registry(self) -> ParamRegistry:

@@ -28,10 +28,13 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 - :mod:`.params` — per-param traits from the declarations, megatron's markers and the model's
   structure: expert, TP-split (and where that came from), GTP-sharded (and its pad rows), tied
   copy.
+- :mod:`.audit` — what the audit needs: the groups whose ranks hold copies, tied weights,
+  weights whose all-gather may be in flight, and the layouts it refuses by name.
 - :mod:`.naming` — layout-independent param names (global layer numbers, global expert
   indices, the numbered weights of TE grouped linears), the per-param norms' keys.
 """
 
+from .audit import AuditLayout, audit_layout
 from .declarations import Declaration, Declarations, read_declarations
 from .holdings import Holding, leaves
 from .optimizers import fingerprint, where
@@ -40,10 +43,12 @@ from .readers import check_reduce_group, rank_coords
 from .params import ModelStructure, ParamTraits, param_traits
 
 __all__ = [
+    "AuditLayout",
     "Declaration",
     "Declarations",
     "HeldParam",
     "Holding",
+    "audit_layout",
     "ModelReading",
     "ModelStructure",
     "ParamTraits",

@@ -1,0 +1,160 @@
+"""What the audit needs to know of megatron: the process groups in which copies live, the tied
+weights, the weights whose all-gather may be in flight, and the layouts it cannot audit.
+
+The counting rule says *which* copies a rank skips (:class:`~norm_optim._ownership.Copies`);
+the audit (:mod:`norm_optim._audit`) compares them, and for that it needs the groups themselves
+(the rule only needs this rank's coordinates in them). Everything megatron-specific about
+that is read here, as plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .._comm import Communicator, ProcessGroup
+from .._errors import UnsupportedOptimizerError
+from .dtensor import is_dtensor
+from .fsdp import is_megatron_fsdp
+from .fsdp_v2 import is_megatron_fsdp_v2
+from .mimo import is_mimo
+from .parallel_state import _gtp_group, _without_gtp_remat
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditLayout:
+    """The groups whose ranks hold copies of the same elements, and what cannot be compared.
+
+    Attributes:
+        dense_replicas: the full data×context-parallel group (every optimizer instance,
+            without GTP): its ranks hold the same dense weights.
+        expert_replicas: the full expert-data-parallel group: the same expert weights.
+        dense_tp, expert_tp: the (expert) tensor-parallel group: copies of what TP does not
+            split.
+        tied: the embedding group when this rank is in it (first and last pipeline stage:
+            the word embeddings and the output weight they are tied to), else None.
+        tied_params: ids of this rank's params that are tied copies of each other across the
+            embedding group (``shared_embedding`` / ``shared``).
+        gathering: ids of params whose all-gather may be in flight or not yet started
+            (overlap-param-gather with the distributed optimizer): their full weights are not
+            comparable across copies now; only this rank's own shard of them is current.
+        single: True in one process without ``torch.distributed`` (nothing to compare).
+    """
+
+    dense_replicas: ProcessGroup = None
+    expert_replicas: ProcessGroup = None
+    dense_tp: ProcessGroup = None
+    expert_tp: ProcessGroup = None
+    tied: ProcessGroup = None
+    tied_params: frozenset[int] = frozenset()
+    gathering: frozenset[int] = frozenset()
+    single: bool = False
+
+
+def audit_layout(
+    comm: Communicator,
+    optimizer: Any,
+    chunks: Optional[Sequence[torch.nn.Module]],
+    params: Sequence[torch.nn.Parameter],
+    pg_collection: Any = None,
+) -> AuditLayout:
+    """This rank's :class:`AuditLayout`; O(params), no collective.
+
+    Raises :class:`~norm_optim.UnsupportedOptimizerError` naming a layout whose copies it
+    cannot compare yet (MIMO, Megatron-FSDP, DTensor params, GTP weight remat).
+    """
+    refuse_unaudited(comm, optimizer, params)
+    gathering = frozenset(_gathering(chunks or []))
+    tied_params = frozenset(
+        id(p)
+        for p in params
+        if getattr(p, "shared_embedding", False) or getattr(p, "shared", False)
+    )
+    if not comm.is_distributed():
+        return AuditLayout(tied_params=tied_params, gathering=gathering, single=True)
+    if pg_collection is not None:
+        group = lambda name: getattr(pg_collection, name, None)  # noqa: E731
+        return AuditLayout(
+            dense_replicas=group("dp_cp"),
+            expert_replicas=group("expt_dp") or group("dp_cp"),
+            dense_tp=group("tp"),
+            expert_tp=group("expt_tp") or group("tp"),
+            tied=group("embd") if tied_params else None,
+            tied_params=tied_params if group("embd") is not None else frozenset(),
+            gathering=gathering,
+        )
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise UnsupportedOptimizerError(
+            "audit() needs megatron's parallel state (or pg_collection=...) to know which "
+            "ranks hold copies of each weight"
+        )
+    replicate = _without_gtp_remat(ps)
+    in_embedding = ps.is_rank_in_embedding_group(ignore_virtual=True)
+    return AuditLayout(
+        dense_replicas=ps.get_data_parallel_group(with_context_parallel=True, **replicate),
+        expert_replicas=ps.get_expert_data_parallel_group(check_initialized=False, **replicate),
+        dense_tp=ps.get_tensor_model_parallel_group(check_initialized=False),
+        expert_tp=ps.get_expert_tensor_parallel_group(check_initialized=False),
+        tied=ps.get_embedding_group(check_initialized=False) if in_embedding else None,
+        tied_params=tied_params if in_embedding else frozenset(),
+        gathering=gathering,
+    )
+
+
+def refuse_unaudited(comm: Communicator, optimizer: Any, params: Sequence[Any]) -> None:
+    """Refuse, by name, a layout whose copies the audit does not compare yet."""
+    why = None
+    if is_mimo(optimizer):
+        why = "a MimoOptimizer (each module's own process groups)"
+    elif is_megatron_fsdp_v2(optimizer) or is_megatron_fsdp(optimizer):
+        why = "Megatron-FSDP (its weights live in its own sharded buffers)"
+    elif any(is_dtensor(p) for p in params):
+        why = "DTensor params (torch FSDP2): their Replicate axes"
+    elif comm.is_distributed() and _gtp_size() > 1:
+        why = "GTP weight remat (its copies on GTP peers)"
+    if why is not None:
+        raise UnsupportedOptimizerError(
+            f"audit() does not compare the copies of {why} yet: param_l2_norm() works there; "
+            "audit a DDP / distributed-optimizer layout"
+        )
+
+
+def _gtp_size() -> int:
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        return 1
+    if not ps.model_parallel_is_initialized():
+        return 1
+    sizes = [1]
+    for getter in ("get_gtp_weight_remat_group", "get_expert_gtp_weight_remat_group"):
+        group = _gtp_group(ps, getter)
+        if group is not None:
+            sizes.append(group.size())
+    return max(sizes)
+
+
+def _gathering(chunks: Sequence[torch.nn.Module]) -> list[int]:
+    """Params whose all-gather megatron overlaps with the next forward (distributed optimizer
+    with ``overlap_param_gather``): after ``step()`` only this rank's shard of them is current
+    until the forward pre-hook has waited for the gather, and megatron's flags do not tell
+    "gathered" from "not yet dispatched" (``param_gather_dispatched`` is reset in
+    ``finish_grad_sync``), so all of them are left out of the cross-copy comparison."""
+    ids: list[int] = []
+    for chunk in chunks:
+        config = getattr(chunk, "ddp_config", None)
+        if not (
+            getattr(config, "use_distributed_optimizer", False)
+            and getattr(config, "overlap_param_gather", False)
+        ):
+            continue
+        buffers = list(getattr(chunk, "buffers", [])) + list(
+            getattr(chunk, "expert_parallel_buffers", [])
+        )
+        for buffer in buffers:
+            ids.extend(id(p) for p in buffer.params)
+    return ids
