@@ -9,6 +9,9 @@ Every public module (each name below them is public; the package re-exports the 
   each rank.
 - :mod:`~norm_optim.testing.comm` — :class:`RecordingCommunicator`, a communication seam that
   records every collective (a mocked parallel state's view of what the norm reduces).
+- :mod:`~norm_optim.testing.faults` — :func:`inject_fault_`: one element of one copy (a
+  replica, a TP duplicate, a main) changed on one rank, for testing
+  :meth:`~norm_optim.NormAwareOptimizer.audit` on your layout.
 - :mod:`~norm_optim.testing.models` — tiny GPT / MoE models on any layout, the real optimizer,
   one real training step.
 - :mod:`~norm_optim.testing.layers` — :class:`SequenceParallelTorchNorm`, the torch norm that
@@ -47,6 +50,7 @@ A multi-rank test::
 """
 
 from norm_optim.testing.comm import RecordingCommunicator
+from norm_optim.testing.faults import inject_fault_
 from norm_optim.testing.launcher import RankFailedError, RankTimeoutError, init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import (
@@ -78,6 +82,7 @@ __all__ = [
     "global_param_shapes",
     "init_parallel",
     "init_rng",
+    "inject_fault_",
     "install_cpu_shim",
     "named_global_parameters",
     "oracle_norm",
