@@ -16,6 +16,7 @@ import pytest
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.faults import inject_fault_
 from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim._versions import megatron_at_least
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 TIMEOUT = 90.0
@@ -278,3 +279,155 @@ def test_a_stale_weight_is_counted_element_by_element() -> None:
     weight[[3, 70_000]] += 1.0
     assert int(stale_elements(weight, main)) == 2
     assert largest_difference(weight, main) == pytest.approx(1.0, abs=0.02)
+
+
+# ------------------------------------------------------------------ after a checkpoint load
+
+CHECKPOINT_LAYOUTS = {"dp2": Layout(2, SMALL), "tp2-dp2": Layout(4, SMALL, tp=2)}
+
+
+def _checkpoint_body(directory: str, layout: Layout) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    from norm_optim import NormAwareOptimizer
+    from norm_optim._patching import PatchSet
+    from norm_optim.testing._internal.loop_patches import torch_dist_save_patches
+    from norm_optim.testing.models import unwrap_gpt
+
+    def state(sharding: str | None, is_loading: bool) -> dict[str, Any]:
+        out = {"model": unwrap_gpt(chunks[0]).sharded_state_dict()}
+        if sharding is not None:
+            metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+            out["optimizer"] = inner.sharded_state_dict(
+                out["model"], is_loading=is_loading, metadata=metadata
+            )
+        return out
+
+    PatchSet.apply(torch_dist_save_patches())  # the rank is a fresh process: nothing to undo
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=True, seed=5)
+    inner = build_optimizer(chunks, lr=1e-2)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    dist_checkpointing.save(state("dp_reshardable", False), directory)
+    train_step(chunks, optimizer, seed=1)  # the run moves on; then it resumes
+    got: dict[str, Any] = {}
+
+    # A model-only load that forgets the mains: the weights are the checkpoint's, the mains
+    # the later step's. That is what the audit exists to catch.
+    loaded = dist_checkpointing.load(state(None, True), directory)
+    unwrap_gpt(chunks[0]).load_state_dict(loaded["model"])
+    got["forgot_mains"] = sorted({str(f.kind) for f in optimizer.audit().findings})
+    got["reloaded"] = None
+    optimizer.reload_model_params()
+    got["reloaded"] = [str(f) for f in optimizer.audit().findings]
+
+    # The full resume: model and optimizer (the mains) from the checkpoint.
+    train_step(chunks, optimizer, seed=2)
+    loaded = dist_checkpointing.load(state("dp_reshardable", True), directory)
+    unwrap_gpt(chunks[0]).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    got["resumed"] = [str(f) for f in optimizer.audit().findings]
+    train_step(chunks, optimizer, seed=3)
+    got["stepped"] = [str(f) for f in optimizer.audit().findings]
+    return got
+
+
+@pytest.mark.skipif(
+    not megatron_at_least(0, 16),
+    reason="the dp_reshardable save of torch Adam's scalar 'step' needs megatron-core 0.16",
+)
+@pytest.mark.parametrize("layout", list(CHECKPOINT_LAYOUTS))
+def test_no_false_alarm_after_a_dist_checkpoint_load_and_a_bad_load_caught(
+    tmp_path: Any, layout: str
+) -> None:
+    case = CHECKPOINT_LAYOUTS[layout]
+    results = run_ranks(_checkpoint_body, case.world, str(tmp_path), case, timeout=TIMEOUT)
+    for got in results:
+        assert got["forgot_mains"] == ["weight-stale-against-main"]
+        assert got["reloaded"] == []
+        assert got["resumed"] == []
+        assert got["stepped"] == []
+
+
+# ------------------------------------------------------------------ what it costs, what it refuses
+
+
+def _collectives_body(layout: Layout) -> dict[str, Any]:
+    from norm_optim import NormAwareOptimizer
+    from norm_optim._comm import TorchCommunicator
+
+    class Counting(TorchCommunicator):
+        calls: list[tuple[str, tuple[int, ...]]] = []
+
+        def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
+            self.calls.append(("all_reduce", tuple(tensor.shape)))
+            return super().all_reduce_sum(tensor, group, async_op)
+
+        def all_gather_tensor(self, tensor, group):  # type: ignore[no-untyped-def]
+            self.calls.append(("all_gather", tuple(tensor.shape)))
+            return super().all_gather_tensor(tensor, group)
+
+        def all_gather_object(self, obj, group):  # type: ignore[no-untyped-def]
+            self.calls.append(("all_gather_object", ()))
+            return super().all_gather_object(obj, group)
+
+    init_parallel(**layout.parallel())
+    chunks = build_model(layout.cfg, use_distributed_optimizer=True, seed=3)
+    comm = Counting()
+    optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks, comm=comm)
+    train_step(chunks, optimizer)
+    comm.calls.clear()
+    report = optimizer.audit()
+    return {"calls": list(comm.calls), "params": len(optimizer.registry), "ok": report.ok}
+
+
+def test_the_audit_costs_a_few_collectives_sized_by_params() -> None:
+    """TP2 x DP2 MoE: DP and TP groups of 2 (expert-DP and expert-TP of 1 need nothing): per
+    group a count gather and a slot gather of 8 int64 per param, then one all-reduce; no
+    object gather when clean."""
+    layout = Layout(4, SMALL_MOE, tp=2, ep=2, etp=1)
+    for got in run_ranks(_collectives_body, 4, layout, timeout=TIMEOUT):
+        assert got["ok"]
+        kinds = [kind for kind, _ in got["calls"]]
+        assert kinds.count("all_reduce") == 1 and "all_gather_object" not in kinds
+        gathers = [shape for kind, shape in got["calls"] if kind == "all_gather"]
+        assert 2 <= len(gathers) <= 8
+        assert all(shape == (2,) or shape[1:] == (8,) for shape in gathers)
+        assert all(shape[0] <= got["params"] for shape in gathers)
+
+
+def _refused_body(kind: str) -> str:
+    from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
+
+    init_parallel()
+    if kind == "torch-fsdp2":
+        from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
+
+        chunks = build_torch_fsdp2_model(dataclasses.replace(SMALL, tie_embeddings=False), seed=3)
+    else:
+        from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+        chunks = build_fsdp_model(SMALL, seed=3)
+    optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
+    with pytest.raises(UnsupportedOptimizerError) as raised:
+        optimizer.audit()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [
+        pytest.param(
+            "megatron-fsdp",
+            "Megatron-FSDP",
+            marks=pytest.mark.skipif(
+                not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15"
+            ),
+        ),
+        ("torch-fsdp2", "DTensor params"),
+    ],
+)
+def test_layouts_it_cannot_audit_are_refused_by_name(kind: str, named: str) -> None:
+    for message in run_ranks(_refused_body, 2, kind, timeout=TIMEOUT):
+        assert named in message and "audit()" in message
