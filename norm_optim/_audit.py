@@ -160,7 +160,7 @@ def run_audit(
         if id(record.param) not in layout.gathering:
             weights[id(record.param)] = prints.fingerprint(record.param.detach())
         main = _own_main(record)
-        if main is not None:
+        if main is not None and _has_main_copies(record, layout, comm):
             mains[id(record.param)] = prints.fingerprint(main)
 
     findings = _stale(records, me)
@@ -188,6 +188,26 @@ def _own_main(record: ParamRecord) -> Optional[torch.Tensor]:
     if tensor.untyped_storage().data_ptr() == record.param.untyped_storage().data_ptr():
         return None
     return tensor
+
+
+def _has_main_copies(record: ParamRecord, layout: AuditLayout, comm: Communicator) -> bool:
+    """Whether another rank holds a copy of the main (or shard) ``record`` holds: a whole main
+    replicated over DP, a TP duplicate's, a tied copy's, or a shard that another optimizer
+    instance holds too. A shard only this rank holds is checked against its weight alone."""
+    copies = record.copies
+    if copies is None or layout.single:
+        return not layout.single
+    if copies.replicated or id(record.param) in layout.tied_params:
+        return True
+    tp = layout.expert_tp if copies.expert else layout.dense_tp
+    if not copies.tp_split and tp is not None and comm.size(tp) > 1:
+        return True
+    replicas = layout.expert_replicas if copies.expert else layout.dense_replicas
+    return (
+        copies.shard_group is not None
+        and replicas is not None
+        and len(copies.shard_group) < comm.size(replicas)
+    )
 
 
 def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]:
