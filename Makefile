@@ -115,7 +115,7 @@ $(BRIDGE_STAMP): setup.cfg pyproject.toml
 
 # Megatron-Bridge's real pretrain() on CPU ranks (tests/test_megatron_bridge.py skips elsewhere).
 test-bridge: $(BRIDGE_STAMP)
-	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py $(ARGS)
+	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py tests/test_audit_bridge.py $(ARGS)
 
 $(LINES:%=.venv-%/.norm_optim-installed): .venv-%/.norm_optim-installed: setup.cfg pyproject.toml
 	$(call copy-env,$(BASE_$*),.venv-$*)

@@ -431,3 +431,89 @@ def _refused_body(kind: str) -> str:
 def test_layouts_it_cannot_audit_are_refused_by_name(kind: str, named: str) -> None:
     for message in run_ranks(_refused_body, 2, kind, timeout=TIMEOUT):
         assert named in message and "audit()" in message
+
+
+# ------------------------------------------------------------------ in Megatron-LM's loop
+
+
+def _loop_skip_reason() -> str | None:
+    import inspect
+
+    try:
+        from megatron.training import argument_utils, training
+    except ImportError:
+        return "no megatron.training (Megatron-LM's loop ships in the wheel since 0.17)"
+    first = next(iter(inspect.signature(training.pretrain).parameters))
+    if first != "cfg_container" or not hasattr(argument_utils, "gpt_config_from_args"):
+        return "the pretrain() runner of norm_optim.testing.megatron_lm drives the 0.19 API"
+    return None
+
+
+NEEDS_LOOP = pytest.mark.skipif(_loop_skip_reason() is not None, reason=str(_loop_skip_reason()))
+
+
+def _loop_body(action: str, fault_rank: int | None) -> dict[str, Any]:
+    import functools
+    import inspect
+
+    from megatron.training import training
+
+    from norm_optim.integrations import megatron_lm
+    from norm_optim.testing.megatron_lm import (
+        RecordingSummaryWriter,
+        pretrain_gpt,
+        recording_tensorboard_patches,
+        tiny_gpt_args,
+    )
+    from norm_optim._patching import Patch, patches_applied
+
+    training_log = training.training_log
+    signature = inspect.signature(training_log)
+    handle: list[Any] = []
+
+    @functools.wraps(training_log)
+    def spy(*args: Any, **kwargs: Any) -> Any:  # inside install()'s training_log
+        iteration = signature.bind(*args, **kwargs).arguments["iteration"]
+        if iteration == 2 and fault_rank is not None:
+            inject_fault_(handle[0].optimizer, QKV, rank=fault_rank)
+        return training_log(*args, **kwargs)
+
+    writer = RecordingSummaryWriter()
+    patches = [Patch(training, "training_log", spy), *recording_tensorboard_patches(writer)]
+    argv = tiny_gpt_args(
+        train_iters=3, extra=("--tensorboard-dir", "unused", "--tensorboard-log-interval", "1")
+    )
+    with patches_applied(patches), megatron_lm.install(audit_interval=2, audit_action=action) as h:
+        handle.append(h)
+        pretrain_gpt(argv)
+    return {
+        "reports": h.audit.reports,
+        "scalars": [(v, s) for tag, v, s in writer.scalars if tag == "params-audit/findings"],
+    }
+
+
+@NEEDS_LOOP
+def test_install_audits_at_the_first_iteration_and_every_interval() -> None:
+    results = run_ranks(_loop_body, 2, "warn", None, timeout=120.0)
+    for got in results:
+        assert got["reports"] == [(1, 0), (2, 0)]
+    assert results[-1]["scalars"] == [(0.0, 1), (0.0, 2)]  # the last rank holds the writer
+
+
+@NEEDS_LOOP
+def test_install_warns_or_raises_on_a_fault() -> None:
+    results = run_ranks(_loop_body, 2, "warn", 1, timeout=120.0)
+    for got in results:
+        assert got["reports"][0] == (1, 0) and got["reports"][1][1] > 0
+    assert results[-1]["scalars"][1][0] > 0
+    with pytest.raises(Exception, match=r"dp-replicas-differ .*linear_qkv.weight"):
+        run_ranks(_loop_body, 2, "raise", 1, timeout=120.0)
+
+
+def test_install_refuses_bad_audit_options() -> None:
+    from norm_optim.integrations._common import AuditSchedule
+
+    with pytest.raises(ValueError, match="audit_interval"):
+        AuditSchedule(-1, "warn")
+    with pytest.raises(ValueError, match="audit_action"):
+        AuditSchedule(2, "ignore")

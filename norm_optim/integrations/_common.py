@@ -12,6 +12,7 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from .._audit import AuditError, AuditReport
 from .._errors import NormOptimError
 from .._moved import moved_names
 from .._norm import NamedNorms, ParamNorms
@@ -172,6 +173,62 @@ class ParamsNormLog:
             wandb.log(values, iteration)
 
 
+AUDIT_TAG = "params-audit/findings"
+"""The scalar written at each audit: the number of findings (0 when clean)."""
+AUDIT_ACTIONS = ("warn", "raise")
+
+
+class AuditSchedule:
+    """When a loop integration audits (:meth:`~norm_optim.NormAwareOptimizer.audit`) and what
+    it does with findings: one per integration.
+
+    Args:
+        interval: audit every ``interval`` iterations, and at the first logged iteration after
+            each setup (so after every checkpoint load); 0 never.
+        action: ``"warn"``: rank 0 prints the findings, the run goes on; ``"raise"``: every
+            rank raises :class:`~norm_optim.AuditError` (the report is the same everywhere), so
+            the run stops before the bad weights are saved.
+    """
+
+    def __init__(self, interval: int, action: str) -> None:
+        if not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"audit_interval must be an int >= 0, got {interval!r}")
+        if action not in AUDIT_ACTIONS:
+            raise ValueError(f"audit_action must be one of {AUDIT_ACTIONS}, got {action!r}")
+        self.interval, self.action = interval, action
+        self._audited: Optional[Any] = None  # the optimizer audited last (a new setup resets)
+        self.reports: list[tuple[int, int]] = []  # (iteration, findings) of each audit
+
+    def due(self, optimizer: Any, iteration: int) -> bool:
+        """The same answer on every rank (the audit is a collective)."""
+        if self.interval == 0:
+            return False
+        return optimizer is not self._audited or iteration % self.interval == 0
+
+    def run(self, optimizer: Any, iteration: int, tensorboard: Any, wandb: Any) -> AuditReport:
+        """Audit on every rank; write the count, print or raise the findings."""
+        report: AuditReport = optimizer.audit()
+        self._audited = optimizer
+        self.reports.append((iteration, len(report.findings)))
+        if tensorboard is not None:
+            tensorboard.add_scalar(AUDIT_TAG, len(report.findings), iteration)
+        if wandb is not None:
+            wandb.log({AUDIT_TAG: len(report.findings)}, iteration)
+        if report.findings:
+            message = f"iteration {iteration}: {report.summary()}"
+            if self.action == "raise":
+                raise AuditError(message)
+            if _global_rank() == 0:
+                print(f"norm_optim {message}", flush=True)
+        return report
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def is_loop_model(model: Any, chunks: Optional[list[Any]]) -> bool:
     """Whether ``model`` (a chunk or a list of them) is exactly the loop's model ``chunks``:
     the deferred norm stands for the wrapped optimizer's model, and no other."""
@@ -224,9 +281,11 @@ class LoopIntegration:
         training_log: Callable[..., Any],
         log: ParamsNormLog,
         wrapper_options: dict[str, Any],
+        audit: Optional[AuditSchedule] = None,
     ) -> None:
         self.optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
+        self.audit = audit if audit is not None else AuditSchedule(0, "warn")
         self._log = log
         self._wrapper_options = wrapper_options
         self._log_signature = inspect.signature(training_log)
@@ -288,6 +347,10 @@ class LoopIntegration:
             writers = self._scalar_writers(bound.arguments)
             if writers is not None:
                 self._log.write(norms, *writers)
+        if self.optimizer is not None:
+            iteration = self._iteration(bound.arguments)
+            if self.audit.due(self.optimizer, iteration):  # every rank alike
+                self.audit.run(self.optimizer, iteration, *self._writers(bound.arguments))
         return result
 
     # ------------------------------------------------------------ what each loop says
@@ -300,4 +363,12 @@ class LoopIntegration:
     def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
         """(iteration, TensorBoard writer, W&B writer) where this call writes the loop's own
         ``params-norm`` scalar, else None (either writer may be None)."""
+        raise NotImplementedError
+
+    def _iteration(self, arguments: Mapping[str, Any]) -> int:
+        """This ``training_log`` call's iteration (the same on every rank)."""
+        raise NotImplementedError
+
+    def _writers(self, arguments: Mapping[str, Any]) -> tuple[Any, Any]:
+        """This rank's (TensorBoard writer, W&B writer), either None where it has none."""
         raise NotImplementedError

@@ -53,6 +53,7 @@ from .._errors import NormOptimError
 from .._versions import distribution_version
 from .._wrapper import NormAwareOptimizer
 from ._common import (
+    AuditSchedule,
     LoggedParamsNorm,
     LoopIntegration,
     ParamsNormLog,
@@ -224,6 +225,14 @@ def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:
     Args:
         config: the optimizer config; every attribute is copied as it is (finalized or not:
             ``pretrain`` finalizes the copy as it would the original).
+        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
+            every ``audit_interval`` iterations and at the first iteration after each setup
+            (after any checkpoint load), after ``training_log``; write the number of findings
+            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
+            default) never audits.
+        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
+            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
+            before the bad weights are saved.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
     """
@@ -271,12 +280,14 @@ class MegatronBridgeIntegration(LoopIntegration):
         train: ModuleType,
         log: ParamsNormLog,
         wrapper_options: dict[str, Any],
+        audit: Optional[AuditSchedule] = None,
     ) -> None:
         super().__init__(
             [(setup, "setup_optimizer"), (train, "calc_params_l2_norm"), (train, "training_log")],
             train.training_log,
             log,
             wrapper_options,
+            audit,
         )
 
     def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -302,6 +313,13 @@ class MegatronBridgeIntegration(LoopIntegration):
             arguments["config"].logger, arguments["global_state"].train_state.step
         )
 
+    def _iteration(self, arguments: Mapping[str, Any]) -> int:
+        return int(arguments["global_state"].train_state.step)
+
+    def _writers(self, arguments: Mapping[str, Any]) -> tuple[Any, Any]:
+        state = arguments["global_state"]
+        return state.tensorboard_logger, state.wandb_logger
+
     def _scalar_writers(self, arguments: Mapping[str, Any]) -> Optional[tuple[int, Any, Any]]:
         # Where and when training_log writes Bridge's params-norm.
         state = arguments["global_state"]
@@ -312,7 +330,12 @@ class MegatronBridgeIntegration(LoopIntegration):
 
 
 def install(
-    *, breakdown: bool = False, per_param: bool = False, **wrapper_options: Any
+    *,
+    breakdown: bool = False,
+    per_param: bool = False,
+    audit_interval: int = 0,
+    audit_action: str = "warn",
+    **wrapper_options: Any,
 ) -> MegatronBridgeIntegration:
     """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
 
@@ -330,6 +353,14 @@ def install(
             (same single all-reduce; the names are exchanged once, at the first logged
             iteration), and end the log line with the params whose norm grew fastest since the
             previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
+        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
+            every ``audit_interval`` iterations and at the first iteration after each setup
+            (after any checkpoint load), after ``training_log``; write the number of findings
+            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
+            default) never audits.
+        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
+            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
+            before the bad weights are saved.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
 
@@ -342,6 +373,7 @@ def install(
             patched; the message names the Bridge and megatron-core versions.
         RuntimeError: already installed (uninstall the first one).
     """
+    audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
     setup, train = _bridge_modules()
     if installed_integration(train, "calc_params_l2_norm") is not None:
         raise RuntimeError(
@@ -350,5 +382,5 @@ def install(
         )
     _check_hooks(setup, train)
     return MegatronBridgeIntegration(
-        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options
+        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options, audit
     )

@@ -34,6 +34,7 @@ from .._errors import NormOptimError
 from .._versions import megatron_core_version_string
 from .._wrapper import NormAwareOptimizer
 from ._common import (
+    AuditSchedule,
     LoggedParamsNorm,
     LoopIntegration,
     ParamsNormLog,
@@ -118,10 +119,18 @@ class MegatronLMIntegration(LoopIntegration):
     setup_name = "setup_model_and_optimizer"
 
     def __init__(
-        self, training: ModuleType, log: ParamsNormLog, wrapper_options: dict[str, Any]
+        self,
+        training: ModuleType,
+        log: ParamsNormLog,
+        wrapper_options: dict[str, Any],
+        audit: Optional[AuditSchedule] = None,
     ) -> None:
         super().__init__(
-            [(training, name) for name in _PATCHED], training.training_log, log, wrapper_options
+            [(training, name) for name in _PATCHED],
+            training.training_log,
+            log,
+            wrapper_options,
+            audit,
         )
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,9 +155,21 @@ class MegatronLMIntegration(LoopIntegration):
             return None
         return iteration, writer, global_vars.get_wandb_writer()
 
+    def _iteration(self, arguments: Mapping[str, Any]) -> int:
+        return int(arguments["iteration"])
+
+    def _writers(self, arguments: Mapping[str, Any]) -> tuple[Any, Any]:
+        global_vars = _global_vars()
+        return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
+
 
 def install(
-    *, breakdown: bool = False, per_param: bool = False, **wrapper_options: Any
+    *,
+    breakdown: bool = False,
+    per_param: bool = False,
+    audit_interval: int = 0,
+    audit_action: str = "warn",
+    **wrapper_options: Any,
 ) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
 
@@ -166,6 +187,14 @@ def install(
             (same single all-reduce; the names are exchanged once, at the first logged
             iteration), and end the log line with the params whose norm grew fastest since the
             previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
+        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
+            every ``audit_interval`` iterations and at the first iteration after each setup
+            (after any checkpoint load), after ``training_log``; write the number of findings
+            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
+            default) never audits.
+        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
+            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
+            before the bad weights are saved.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``pg_collection``, ``group``, ``comm``).
 
@@ -178,10 +207,13 @@ def install(
             loop lacks what is patched; the message names the version.
         RuntimeError: already installed (uninstall the first one).
     """
+    audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
     training = _training_module()
     if any(installed_integration(training, name) is not None for name in _PATCHED):
         raise RuntimeError(
             "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
             "handle install() returned before installing again"
         )
-    return MegatronLMIntegration(training, ParamsNormLog(breakdown, per_param), wrapper_options)
+    return MegatronLMIntegration(
+        training, ParamsNormLog(breakdown, per_param), wrapper_options, audit
+    )

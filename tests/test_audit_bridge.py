@@ -1,0 +1,79 @@
+"""``megatron_bridge.install(audit_interval=N)`` in Megatron-Bridge's real ``pretrain()``
+(``make test-bridge``; skipped where Bridge is not installed).
+
+A clean run writes ``params-audit/findings`` = 0 at the first iteration and every interval; an
+fp32 main nudged on one Float16 replica (a drift below bf16 resolution, which training keeps)
+is printed by rank 0 with its name (``audit_action="warn"``) or stops the run
+(``audit_action="raise"``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from norm_optim.testing.megatron_bridge import bridge_available, import_bridge
+
+if not bridge_available():
+    pytest.skip("Megatron-Bridge is not installed (make test-bridge)", allow_module_level=True)
+
+import_bridge()  # once in the parent: forked ranks inherit it
+
+from megatron.bridge.training.callbacks import Callback, CallbackContext  # noqa: E402
+
+from norm_optim.integrations import megatron_bridge  # noqa: E402
+from norm_optim.testing import inject_fault_  # noqa: E402
+from norm_optim.testing.megatron_bridge import run_pretrain, tiny_config  # noqa: E402
+
+ITERATIONS = 3
+PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+class _Fault(Callback):  # type: ignore[misc]
+    """Before step 2 (0-based step 1), on rank 1: one fp32 main's lowest bit."""
+
+    def on_train_step_start(self, context: CallbackContext) -> None:
+        if context.state.train_state.step == 1:
+            inject_fault_(context.optimizer, PARAM, what="main", rank=1)
+
+
+def _run(tmp_path: Path, action: str, fault: bool) -> Any:
+    config = tiny_config(
+        world_size=2,
+        train_iters=ITERATIONS,
+        use_distributed_optimizer=False,
+        tensorboard_dir=str(tmp_path / "tb"),
+    )
+    return run_pretrain(
+        config,
+        2,
+        callbacks=[_Fault()] if fault else [],
+        before=lambda: megatron_bridge.install(audit_interval=2, audit_action=action),
+    )
+
+
+def _findings_scalars(logdir: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    events.Reload()
+    tag = "params-audit/findings"
+    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
+
+
+def test_a_clean_run_writes_zero_findings(tmp_path: Path) -> None:
+    results = _run(tmp_path, "warn", fault=False)
+    assert _findings_scalars(tmp_path / "tb") == {1: 0.0, 2: 0.0}
+    assert not any("norm_optim iteration" in line for r in results for line in r.lines)
+
+
+def test_a_drifted_main_is_printed_by_rank_0_or_stops_the_run(tmp_path: Path) -> None:
+    results = _run(tmp_path, "warn", fault=True)
+    printed = results[0].matching("norm_optim iteration 2: audit: 1 findings")
+    assert printed, results[0].lines[-20:]
+    assert results[0].matching(f"main-replicas-differ {PARAM!r} on ranks [0, 1]")
+    assert _findings_scalars(tmp_path / "tb") == {1: 0.0, 2: 1.0}
+    with pytest.raises(Exception, match="main-replicas-differ"):
+        _run(tmp_path / "raise", "raise", fault=True)
