@@ -146,6 +146,12 @@ CASES = {
         (Fault(EMB, "tied-copies-differ", 0),),
         ("tied-copies",),
     ),
+    "tp2-pp2-tied-distributed": Case(
+        Layout(4, SMALL, tp=2, pp=2),
+        True,
+        (Fault(EMB, "tied-copies-differ", 3), Fault(LN, "tp-duplicates-differ", 3)),
+        ("tied-copies", "tp-duplicates"),
+    ),
 }
 
 
