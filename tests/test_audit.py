@@ -523,3 +523,44 @@ def test_install_refuses_bad_audit_options() -> None:
         AuditSchedule(-1, "warn")
     with pytest.raises(ValueError, match="audit_action"):
         AuditSchedule(2, "ignore")
+
+
+def _parity_body(extra: list[str], action: str) -> dict[str, Any]:
+    from norm_optim.integrations import megatron_lm
+    from norm_optim.testing.megatron_lm import pretrain_gpt, tiny_gpt_args
+
+    train_iters = 4 if "--load" in extra else 2
+    argv = tiny_gpt_args(
+        use_distributed_optimizer=False, lr=0.0, train_iters=train_iters, extra=extra
+    )
+    with megatron_lm.install(checkpoint_parity=True, audit_action=action) as handle:
+        result = pretrain_gpt(argv)
+    assert handle.parity is not None
+    return {"at_load": handle.parity.at_load, "stdout": result.stdout}
+
+
+@NEEDS_LOOP
+def test_checkpoint_parity_at_load(tmp_path: Any) -> None:
+    """Saved norms beside the checkpoint; equal after a good load; a layer that differs from
+    what was saved is named (here: the saved file edited, as if saved from another model)."""
+    import json
+
+    save = ["--save", str(tmp_path), "--save-interval", "2", "--ckpt-format", "torch_dist"]
+    run_ranks(_parity_body, 2, save, "warn", timeout=120.0)
+    saved_file = tmp_path / "iter_0000002" / "norm_optim_norms.json"
+    saved = json.loads(saved_file.read_text())
+    assert saved["iteration"] == 2 and saved["per_layer"]
+    load = ["--load", str(tmp_path), "--ckpt-format", "torch_dist"]
+    load += ["--override-opt-param-scheduler", "--no-load-rng"]
+    for got in run_ranks(_parity_body, 2, load, "warn", timeout=120.0):
+        at_load = got["at_load"]
+        assert at_load["iteration"] == 2 and at_load["compared"] and at_load["differ"] == []
+        assert at_load["total"] == pytest.approx(saved["total"], rel=1e-6)
+    layer = sorted(saved["per_layer"])[0]
+    saved["per_layer"][layer] *= 1.01
+    saved_file.write_text(json.dumps(saved))
+    results = run_ranks(_parity_body, 2, load, "warn", timeout=120.0)
+    assert all(r["at_load"]["differ"] == [layer] for r in results)
+    assert f"differs from the saved weights' in 1 layers: [{layer!r}]" in results[0]["stdout"]
+    with pytest.raises(Exception, match="differs from the saved weights"):
+        run_ranks(_parity_body, 2, load, "raise", timeout=120.0)

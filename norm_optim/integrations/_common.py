@@ -223,6 +223,93 @@ class AuditSchedule:
         return report
 
 
+AT_LOAD_TAG = "params-norm/at-load"
+"""The scalar written once after a checkpoint load: the loaded weights' norm."""
+NORMS_FILE = "norm_optim_norms.json"
+"""Written beside each checkpoint: the saved weights' total and per-layer norms."""
+
+
+class CheckpointParity:
+    """The saved weights' per-layer norms beside each checkpoint, compared at load.
+
+    At each save, every rank reads ``param_l2_norms(per_param=True)`` (one all-reduce) and
+    rank 0 writes :data:`NORMS_FILE` in the checkpoint's directory. After a load, every rank
+    reads the loaded weights' norms once, before the first step (a log line and the scalar
+    :data:`AT_LOAD_TAG`), and compares them per layer with the file, when there is one: every
+    rank reads it, so every rank decides alike.
+
+    Args:
+        action: ``"warn"`` (rank 0 prints the layers that differ) or ``"raise"`` (every rank
+            raises :class:`~norm_optim.AuditError`).
+        rel: the relative difference above which a layer's norm differs.
+    """
+
+    def __init__(self, action: str, rel: float = 1e-6) -> None:
+        if action not in AUDIT_ACTIONS:
+            raise ValueError(f"audit_action must be one of {AUDIT_ACTIONS}, got {action!r}")
+        self.action, self.rel = action, rel
+        self.at_load: Optional[dict[str, Any]] = None  # what the last load found
+
+    @staticmethod
+    def _norms(optimizer: Any) -> dict[str, Any]:
+        norms: ParamNorms = optimizer.param_l2_norms(per_param=True)
+        per_layer = norms.per_layer or {}
+        return {"total": float(norms.total), "per_layer": dict(zip(per_layer, _values(per_layer)))}
+
+    def saved(self, optimizer: Any, directory: str, iteration: int) -> None:
+        """After a save, on every rank."""
+        import json
+        import os
+
+        norms = dict(self._norms(optimizer), iteration=iteration)
+        if _global_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, NORMS_FILE), "w", encoding="utf-8") as out:
+                json.dump(norms, out, indent=1, sort_keys=True)
+
+    def loaded(
+        self, optimizer: Any, directory: str, iteration: int, tensorboard: Any, wandb: Any
+    ) -> dict[str, Any]:
+        """After a load, before the first step, on every rank: the norm, and the layers whose
+        norm differs from what was saved (raised with ``"raise"``)."""
+        import json
+        import os
+
+        norms = self._norms(optimizer)
+        path = os.path.join(directory, NORMS_FILE)
+        saved = None
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as inp:
+                saved = json.load(inp)
+        differ: list[str] = []
+        if saved is not None:
+            names = sorted(set(saved["per_layer"]) | set(norms["per_layer"]))
+            for name in names:
+                a, b = saved["per_layer"].get(name), norms["per_layer"].get(name)
+                if a is None or b is None or abs(a - b) > self.rel * max(abs(a), abs(b)):
+                    differ.append(name)
+        self.at_load = dict(norms, iteration=iteration, compared=saved is not None, differ=differ)
+        if tensorboard is not None:
+            tensorboard.add_scalar(AT_LOAD_TAG, norms["total"], iteration)
+        if wandb is not None:
+            wandb.log({AT_LOAD_TAG: norms["total"]}, iteration)
+        line = f"norm_optim: params norm at load (iteration {iteration}): {norms['total']:.6f}"
+        if saved is None:
+            line += " (no saved norms beside the checkpoint to compare with)"
+        elif differ:
+            line += (
+                f"; differs from the saved weights' in {len(differ)} layers: {differ[:8]}"
+                f" (saved total {saved['total']:.6f})"
+            )
+        else:
+            line += "; every layer equals the saved weights'"
+        if differ and self.action == "raise":
+            raise AuditError(line)
+        if _global_rank() == 0:
+            print(line, flush=True)
+        return self.at_load
+
+
 def _global_rank() -> int:
     import torch.distributed as dist
 
@@ -282,10 +369,12 @@ class LoopIntegration:
         log: ParamsNormLog,
         wrapper_options: dict[str, Any],
         audit: Optional[AuditSchedule] = None,
+        parity: Optional[CheckpointParity] = None,
     ) -> None:
         self.optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
         self.audit = audit if audit is not None else AuditSchedule(0, "warn")
+        self.parity = parity
         self._log = log
         self._wrapper_options = wrapper_options
         self._log_signature = inspect.signature(training_log)

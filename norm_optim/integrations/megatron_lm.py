@@ -35,6 +35,7 @@ from .._versions import megatron_core_version_string
 from .._wrapper import NormAwareOptimizer
 from ._common import (
     AuditSchedule,
+    CheckpointParity,
     LoggedParamsNorm,
     LoopIntegration,
     ParamsNormLog,
@@ -95,6 +96,13 @@ def _global_vars() -> ModuleType:
     return global_vars
 
 
+def _checkpoint_directory(root: str, iteration: int) -> str:
+    """The directory Megatron-LM saves iteration ``iteration``'s checkpoint in, every format."""
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    return str(get_checkpoint_name(root, iteration, return_base_dir=True))
+
+
 def log_reads_params_norm(args: Any, iteration: int, is_first_iteration: bool) -> bool:
     """Whether ``training_log`` prints or writes ``params_norm`` at this iteration.
 
@@ -124,13 +132,16 @@ class MegatronLMIntegration(LoopIntegration):
         log: ParamsNormLog,
         wrapper_options: dict[str, Any],
         audit: Optional[AuditSchedule] = None,
+        parity: Optional[CheckpointParity] = None,
     ) -> None:
+        names = _PATCHED + (("save_checkpoint",) if parity is not None else ())
         super().__init__(
-            [(training, name) for name in _PATCHED],
+            [(training, name) for name in names],
             training.training_log,
             log,
             wrapper_options,
             audit,
+            parity,
         )
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
@@ -138,7 +149,27 @@ class MegatronLMIntegration(LoopIntegration):
         if optimizer is not None:  # None with --skip-train
             optimizer = NormAwareOptimizer(optimizer, model=model, **self._wrapper_options)
         self.optimizer, self.model = optimizer, model
+        run = _global_vars().get_args()
+        if self.parity is not None and optimizer is not None and run.load and run.iteration:
+            # The loaded weights, before the first step: on every rank (a collective).
+            self.parity.loaded(
+                optimizer,
+                _checkpoint_directory(run.load, run.iteration),
+                run.iteration,
+                _global_vars().get_tensorboard_writer(),
+                _global_vars().get_wandb_writer(),
+            )
         return model, optimizer, scheduler
+
+    def _save_checkpoint(
+        self, iteration: int, model: Any, optimizer: Any, *a: Any, **kw: Any
+    ) -> Any:
+        result = self._originals["save_checkpoint"](iteration, model, optimizer, *a, **kw)
+        run = _global_vars().get_args()
+        persistent = not kw.get("non_persistent_ckpt", False)
+        if self.parity is not None and self.optimizer is not None and run.save and persistent:
+            self.parity.saved(self.optimizer, _checkpoint_directory(run.save, iteration), iteration)
+        return result
 
     def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
         return log_reads_params_norm(
@@ -169,6 +200,7 @@ def install(
     per_param: bool = False,
     audit_interval: int = 0,
     audit_action: str = "warn",
+    checkpoint_parity: bool = False,
     **wrapper_options: Any,
 ) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
@@ -208,6 +240,7 @@ def install(
         RuntimeError: already installed (uninstall the first one).
     """
     audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
+    parity = CheckpointParity(audit_action) if checkpoint_parity else None
     training = _training_module()
     if any(installed_integration(training, name) is not None for name in _PATCHED):
         raise RuntimeError(
@@ -215,5 +248,5 @@ def install(
             "handle install() returned before installing again"
         )
     return MegatronLMIntegration(
-        training, ParamsNormLog(breakdown, per_param), wrapper_options, audit
+        training, ParamsNormLog(breakdown, per_param), wrapper_options, audit, parity
     )
