@@ -270,29 +270,32 @@ def _slots(
     mains: dict[int, torch.Tensor],
     device: torch.device,
 ) -> torch.Tensor:
+    """This rank's ``[params, 8]`` int64 slot table for ``check``: the names, flags and ranges
+    built on the host in one tensor, the fingerprints stacked on the device (two transfers in
+    all, never one per param)."""
+    if not check.records:
+        return torch.zeros((0, _WIDTH), dtype=torch.int64, device=device)
     zero = torch.zeros(2, dtype=torch.int64, device=device)
-    rows = []
+    heads, prints = [], []
     for record in check.records:
         key = id(record.param)
         weight, main = weights.get(key), mains.get(key)
-        head = [
-            _name_hash(record.global_name) if check.by_name else 0,
-            (_WEIGHT_OK if weight is not None else 0) | (_HAS_MAIN if main is not None else 0),
-        ]
-        tail = [record.offset, record.tensor.numel()] if main is not None else [0, 0]  # type: ignore[union-attr]
-        rows.append(
-            torch.cat(
-                [
-                    torch.tensor(head, dtype=torch.int64, device=device),
-                    weight.to(device) if weight is not None else zero,
-                    main.to(device) if main is not None else zero,
-                    torch.tensor(tail, dtype=torch.int64, device=device),
-                ]
-            )
+        flags = (_WEIGHT_OK if weight is not None else 0) | (_HAS_MAIN if main is not None else 0)
+        numel = record.tensor.numel() if main is not None and record.tensor is not None else 0
+        heads.append(
+            [
+                _name_hash(record.global_name) if check.by_name else 0,
+                flags,
+                record.offset if main is not None else 0,
+                numel,
+            ]
         )
-    if not rows:
-        return torch.zeros((0, _WIDTH), dtype=torch.int64, device=device)
-    return torch.stack(rows)
+        prints.append(weight.to(device) if weight is not None else zero)
+        prints.append(main.to(device) if main is not None else zero)
+    head = torch.tensor(heads, dtype=torch.int64).to(device)
+    fingerprints = torch.stack(prints).view(len(heads), 4)
+    # Columns: name hash, flags, weight fingerprint (2), main fingerprint (2), main range (2).
+    return torch.cat([head[:, :2], fingerprints, head[:, 2:]], dim=1)
 
 
 def _compare(
@@ -401,7 +404,8 @@ def _stale(records: Sequence[ParamRecord], me: int) -> list[Finding]:
         pairs.append((record, weight, main.view(-1)))
     if not pairs:
         return []
-    counts = torch.stack([stale_elements(w, m).cpu() for _, w, m in pairs]).tolist()
+    device = pairs[0][1].device
+    counts = torch.stack([stale_elements(w, m).to(device) for _, w, m in pairs]).tolist()
     return [
         Finding(
             record.global_name,
