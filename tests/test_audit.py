@@ -17,7 +17,7 @@ from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.faults import inject_fault_
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim._versions import megatron_at_least
-from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.layouts import GTP_DENSE, SMALL, SMALL_MOE, Layout
 
 TIMEOUT = 90.0
 
@@ -140,6 +140,11 @@ CASES = {
         ),
         ("dp-replicas", "tp-duplicates"),  # expert-TP 2 x EP 2: no expert-DP replicas
     ),
+    "dp2-frozen-layer": Case(
+        Layout(2, SMALL, freeze=("decoder.layers.0.*",)),
+        True,
+        (Fault("decoder.layers.0.mlp.linear_fc1.weight", "dp-replicas-differ", 1, how="sign"),),
+    ),
     "pp2-tied": Case(
         Layout(2, SMALL, pp=2),
         False,
@@ -162,7 +167,11 @@ def _audit_body(case: Case, fault: Fault | None) -> dict[str, Any]:
 
     init_parallel(**case.layout.parallel())
     chunks = build_model(
-        case.layout.cfg, use_distributed_optimizer=case.distributed, seed=3, **dict(case.ddp)
+        case.layout.cfg,
+        use_distributed_optimizer=case.distributed,
+        seed=3,
+        freeze=case.layout.freeze,
+        **dict(case.ddp),
     )
     optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
     for step in range(2):
@@ -406,6 +415,14 @@ def test_the_audit_costs_a_few_collectives_sized_by_params() -> None:
 def _refused_body(kind: str) -> str:
     from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
 
+    if kind == "gtp":
+        layout = Layout(4, GTP_DENSE, gtp=2)
+        init_parallel(**layout.parallel())
+        chunks = build_model(layout.cfg, use_distributed_optimizer=True, seed=3)
+        optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
+        with pytest.raises(UnsupportedOptimizerError) as raised:
+            optimizer.audit()
+        return str(raised.value)
     init_parallel()
     if kind == "torch-fsdp2":
         from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
@@ -432,10 +449,12 @@ def _refused_body(kind: str) -> str:
             ),
         ),
         ("torch-fsdp2", "DTensor params"),
+        pytest.param("gtp", "GTP weight remat", marks=Layout(4, GTP_DENSE, gtp=2).marks()),
     ],
 )
 def test_layouts_it_cannot_audit_are_refused_by_name(kind: str, named: str) -> None:
-    for message in run_ranks(_refused_body, 2, kind, timeout=TIMEOUT):
+    world = 4 if kind == "gtp" else 2
+    for message in run_ranks(_refused_body, world, kind, timeout=TIMEOUT):
         assert named in message and "audit()" in message
 
 
