@@ -7,6 +7,11 @@ peak RSS of a call (``benchmarks.param_norm.memory``). Then what each detects: o
 kind (``norm_optim.testing.inject_fault_``) on one rank, each method called on every rank,
 "detected" when any rank's answer says so (megatron's returns a per-rank bool;
 ``cross_check=True`` so that every rank compares with every replica).
+
+``python -m benchmarks.audit --kernel [--device cuda] [--numel N ...]``: the per-tensor work
+alone, in one process, without megatron-core (what a lent GPU can run first): the audit's
+device fingerprint of a bf16 weight, and its staleness check against an fp32 main, beside what
+megatron's check does per weight (a host fp32 copy, then SHA-1), median of ``--calls``.
 """
 
 from __future__ import annotations
@@ -129,11 +134,66 @@ def _rank(layout: Layout, calls: int) -> dict[str, Any]:
     return out
 
 
+def _median_s(fn: Callable[[], Any], device: torch.device, calls: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(calls):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kernel_rows(device: torch.device, sizes: list[int], calls: int) -> list[dict[str, Any]]:
+    """Per-tensor cost on ``device``: fingerprint, staleness check, megatron's host SHA-1."""
+    import hashlib
+
+    from norm_optim._kernels.fingerprint import FingerprintPass, stale_elements
+
+    prints = FingerprintPass()
+    rows = []
+    for numel in sizes:
+        main = torch.randn(numel, device=device)
+        weight = main.to(torch.bfloat16)
+        times = {
+            "audit fingerprint (bf16 weight)": _median_s(
+                lambda: prints.fingerprint(weight).tolist(), device, calls
+            ),
+            "audit staleness (weight vs fp32 main)": _median_s(
+                lambda: int(stale_elements(weight, main)), device, calls
+            ),
+            "megatron: host fp32 copy + SHA-1": _median_s(
+                lambda: hashlib.sha1(weight.data.to("cpu").float().numpy(force=True)).digest(),
+                device,
+                calls,
+            ),
+        }
+        rows.append({"device": str(device), "numel": numel, "median_s": times})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.audit", description=__doc__)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernel", action="store_true", help="per-tensor costs, one process")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--numel", type=int, nargs="+", default=[2 * 10**7, 10**8])
     args = parser.parse_args()
+    if args.kernel:
+        if args.device == "cpu":
+            torch.set_num_threads(1)
+        found = kernel_rows(torch.device(args.device), args.numel, args.calls)
+        if args.out is not None:
+            args.out.write_text(json.dumps(found, indent=1) + "\n")
+        return
     rows = []
     for layout in LAYOUTS:
         results = run_ranks(_rank, layout.world, layout, args.calls, timeout=900.0)
