@@ -197,17 +197,14 @@ def _has_main_copies(record: ParamRecord, layout: AuditLayout, comm: Communicato
     copies = record.copies
     if copies is None or layout.single:
         return not layout.single
-    if copies.replicated or id(record.param) in layout.tied_params:
+    replicas = layout.expert_replicas if copies.expert else layout.dense_replicas
+    replicas_size = comm.size(replicas) if replicas is not None else 1
+    if (copies.replicated and replicas_size > 1) or id(record.param) in layout.tied_params:
         return True
     tp = layout.expert_tp if copies.expert else layout.dense_tp
     if not copies.tp_split and tp is not None and comm.size(tp) > 1:
         return True
-    replicas = layout.expert_replicas if copies.expert else layout.dense_replicas
-    return (
-        copies.shard_group is not None
-        and replicas is not None
-        and len(copies.shard_group) < comm.size(replicas)
-    )
+    return copies.shard_group is not None and len(copies.shard_group) < replicas_size
 
 
 def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]:
