@@ -77,3 +77,46 @@ def test_a_drifted_main_is_printed_by_rank_0_or_stops_the_run(tmp_path: Path) ->
     assert _findings_scalars(tmp_path / "tb") == {1: 0.0, 2: 1.0}
     with pytest.raises(Exception, match="main-replicas-differ"):
         _run(tmp_path / "raise", "raise", fault=True)
+
+
+def _parity_run(directory: Path, iterations: int, load: bool, action: str) -> Any:
+    config = tiny_config(world_size=2, train_iters=iterations, use_distributed_optimizer=False)
+    config.checkpoint.save = str(directory)
+    config.checkpoint.save_interval = 2
+    if load:
+        config.checkpoint.load = str(directory)
+        # The resumed run is longer: its LR schedule is its own, not the checkpoint's.
+        config.scheduler.override_opt_param_scheduler = True
+        config.scheduler.use_checkpoint_opt_param_scheduler = False
+        config.checkpoint.load_rng = False  # the inference RNG tracker saves no states
+    return run_pretrain(config, 2, before=lambda: _saving_install(action))
+
+
+def _saving_install(action: str) -> Any:
+    """In the rank: the test-only patches a torch_dist save needs there, then install()."""
+    from norm_optim._patching import PatchSet
+    from norm_optim.testing._internal.loop_patches import torch_dist_save_patches
+
+    PatchSet.apply(torch_dist_save_patches())  # the rank is a fresh process: nothing to undo
+    return megatron_bridge.install(checkpoint_parity=True, audit_action=action)
+
+
+def test_checkpoint_parity_at_load(tmp_path: Path) -> None:
+    import json
+
+    _parity_run(tmp_path, 2, load=False, action="warn")
+    saved_file = tmp_path / "iter_0000002" / "norm_optim_norms.json"
+    saved = json.loads(saved_file.read_text())
+    assert saved["iteration"] == 2 and saved["per_layer"]
+    results = _parity_run(tmp_path, 4, load=True, action="warn")
+    line = results[0].matching("norm_optim: params norm at load (iteration 2)")
+    assert line and "every layer equals the saved weights'" in line[0], results[0].lines[-20:]
+    # The resumed run saved iteration 4 with its norms; edit them as if saved from another
+    # model, and resume from there.
+    later_file = tmp_path / "iter_0000004" / "norm_optim_norms.json"
+    later = json.loads(later_file.read_text())
+    layer = sorted(later["per_layer"])[-1]
+    later["per_layer"][layer] *= 1.01
+    later_file.write_text(json.dumps(later))
+    results = _parity_run(tmp_path, 6, load=True, action="warn")
+    assert results[0].matching(f"in 1 layers: [{layer!r}]"), results[0].lines[-20:]

@@ -54,6 +54,7 @@ from .._versions import distribution_version
 from .._wrapper import NormAwareOptimizer
 from ._common import (
     AuditSchedule,
+    CheckpointParity,
     LoggedParamsNorm,
     LoopIntegration,
     ParamsNormLog,
@@ -104,6 +105,13 @@ def _bridge_modules() -> tuple[ModuleType, ModuleType]:
             f"(NormAwareOptimizer(optimizer, model=model_chunks))."
         ) from exc
     return setup, train
+
+
+def _checkpoint_directory(root: str, iteration: int) -> str:
+    """The directory Bridge saves iteration ``iteration``'s checkpoint in."""
+    from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
+
+    return str(get_checkpoint_name(root, iteration))
 
 
 def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
@@ -281,14 +289,19 @@ class MegatronBridgeIntegration(LoopIntegration):
         log: ParamsNormLog,
         wrapper_options: dict[str, Any],
         audit: Optional[AuditSchedule] = None,
+        parity: Optional[CheckpointParity] = None,
     ) -> None:
-        super().__init__(
-            [(setup, "setup_optimizer"), (train, "calc_params_l2_norm"), (train, "training_log")],
-            train.training_log,
-            log,
-            wrapper_options,
-            audit,
-        )
+        targets = [
+            (setup, "setup_optimizer"),
+            (train, "calc_params_l2_norm"),
+            (train, "training_log"),
+        ]
+        if parity is not None:
+            # pretrain() imported train() by name; save_checkpoint_and_time is train's own.
+            from megatron.bridge.training import pretrain
+
+            targets += [(pretrain, "train"), (train, "save_checkpoint_and_time")]
+        super().__init__(targets, train.training_log, log, wrapper_options, audit, parity)
 
     def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(optimizer_config, "provide"):
@@ -313,6 +326,29 @@ class MegatronBridgeIntegration(LoopIntegration):
             arguments["config"].logger, arguments["global_state"].train_state.step
         )
 
+    def _train(self, *args: Any, **kwargs: Any) -> Any:
+        # Before the first step of a run that loaded a checkpoint: the loaded weights' norm.
+        original = self._originals["train"]
+        state = inspect.signature(original).bind(*args, **kwargs).arguments["global_state"]
+        step, load = state.train_state.step, state.cfg.checkpoint.load
+        if self.parity is not None and self.optimizer is not None and load and step:
+            self.parity.loaded(
+                self.optimizer,
+                _checkpoint_directory(load, step),
+                step,
+                state.tensorboard_logger,
+                state.wandb_logger,
+            )
+        return original(*args, **kwargs)
+
+    def _save_checkpoint_and_time(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self._originals["save_checkpoint_and_time"](state, *args, **kwargs)
+        save, step = state.cfg.checkpoint.save, state.train_state.step
+        persistent = not kwargs.get("non_persistent_ckpt", False)
+        if self.parity is not None and self.optimizer is not None and save and persistent:
+            self.parity.saved(self.optimizer, _checkpoint_directory(save, step), step)
+        return result
+
     def _iteration(self, arguments: Mapping[str, Any]) -> int:
         return int(arguments["global_state"].train_state.step)
 
@@ -335,6 +371,7 @@ def install(
     per_param: bool = False,
     audit_interval: int = 0,
     audit_action: str = "warn",
+    checkpoint_parity: bool = False,
     **wrapper_options: Any,
 ) -> MegatronBridgeIntegration:
     """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
@@ -374,6 +411,7 @@ def install(
         RuntimeError: already installed (uninstall the first one).
     """
     audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
+    parity = CheckpointParity(audit_action) if checkpoint_parity else None
     setup, train = _bridge_modules()
     if installed_integration(train, "calc_params_l2_norm") is not None:
         raise RuntimeError(
@@ -382,5 +420,5 @@ def install(
         )
     _check_hooks(setup, train)
     return MegatronBridgeIntegration(
-        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options, audit
+        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options, audit, parity
     )
