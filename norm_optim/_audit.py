@@ -40,6 +40,7 @@ class FindingKind(str, enum.Enum):
     EXPERT_DP_REPLICAS_DIFFER = "expert-dp-replicas-differ"  # an expert weight across expert-DP
     TP_DUPLICATES_DIFFER = "tp-duplicates-differ"  # a weight TP does not split, across TP
     EXPERT_TP_DUPLICATES_DIFFER = "expert-tp-duplicates-differ"  # the same across expert-TP
+    GTP_COPIES_DIFFER = "gtp-copies-differ"  # a weight GTP does not shard, across (expert) GTP
     TIED_COPIES_DIFFER = "tied-copies-differ"  # word embeddings vs the output weight tied to them
     MAIN_REPLICAS_DIFFER = "main-replicas-differ"  # fp32 mains (or one shard) across (expert) DP
     MAIN_TP_DUPLICATES_DIFFER = "main-tp-duplicates-differ"  # fp32 mains of TP duplicates
@@ -204,6 +205,9 @@ def _has_main_copies(record: ParamRecord, layout: AuditLayout, comm: Communicato
     tp = layout.expert_tp if copies.expert else layout.dense_tp
     if not copies.tp_split and tp is not None and comm.size(tp) > 1:
         return True
+    gtp = layout.expert_gtp if copies.expert else layout.dense_gtp
+    if not copies.gtp_sharded and gtp is not None and comm.size(gtp) > 1:
+        return True
     return copies.shard_group is not None and len(copies.shard_group) < replicas_size
 
 
@@ -242,6 +246,20 @@ def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]
             kinds.MAIN_TP_DUPLICATES_DIFFER,
         ),
         _Check(
+            "gtp-copies",
+            layout.dense_gtp,
+            [r for r in dense if not _gtp_sharded(r)],
+            kinds.GTP_COPIES_DIFFER,
+            kinds.GTP_COPIES_DIFFER,
+        ),
+        _Check(
+            "expert-gtp-copies",
+            layout.expert_gtp,
+            [r for r in expert if not _gtp_sharded(r)],
+            kinds.GTP_COPIES_DIFFER,
+            kinds.GTP_COPIES_DIFFER,
+        ),
+        _Check(
             "tied-copies",
             layout.tied,
             [r for r in records if id(r.param) in layout.tied_params],
@@ -250,6 +268,10 @@ def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]
             by_name=False,  # the word embeddings and the output weight: two names, one weight
         ),
     ]
+
+
+def _gtp_sharded(record: ParamRecord) -> bool:
+    return record.copies.gtp_sharded if record.copies is not None else False
 
 
 def _tp_split(record: ParamRecord) -> bool:

@@ -33,6 +33,8 @@ class AuditLayout:
         expert_replicas: the full expert-data-parallel group: the same expert weights.
         dense_tp, expert_tp: the (expert) tensor-parallel group: copies of what TP does not
             split.
+        dense_gtp, expert_gtp: the (expert) GTP weight-remat group (megatron-core >= 0.19):
+            copies of what GTP does not shard.
         tied: the embedding group when this rank is in it (first and last pipeline stage:
             the word embeddings and the output weight they are tied to), else None.
         tied_params: ids of this rank's params that are tied copies of each other across the
@@ -47,6 +49,8 @@ class AuditLayout:
     expert_replicas: ProcessGroup = None
     dense_tp: ProcessGroup = None
     expert_tp: ProcessGroup = None
+    dense_gtp: ProcessGroup = None
+    expert_gtp: ProcessGroup = None
     tied: ProcessGroup = None
     tied_params: frozenset[int] = frozenset()
     gathering: frozenset[int] = frozenset()
@@ -63,7 +67,7 @@ def audit_layout(
     """This rank's :class:`AuditLayout`; O(params), no collective.
 
     Raises :class:`~norm_optim.UnsupportedOptimizerError` naming a layout whose copies it
-    cannot compare yet (MIMO, Megatron-FSDP, DTensor params, GTP weight remat).
+    cannot compare yet (MIMO, Megatron-FSDP, DTensor params).
     """
     refuse_unaudited(comm, optimizer, params)
     gathering = frozenset(_gathering(chunks or []))
@@ -81,6 +85,8 @@ def audit_layout(
             expert_replicas=group("expt_dp") or group("dp_cp"),
             dense_tp=group("tp"),
             expert_tp=group("expt_tp") or group("tp"),
+            dense_gtp=group("gtp_remat"),
+            expert_gtp=group("expt_gtp_remat"),
             tied=group("embd") if tied_params else None,
             tied_params=tied_params if group("embd") is not None else frozenset(),
             gathering=gathering,
@@ -99,6 +105,8 @@ def audit_layout(
         expert_replicas=ps.get_expert_data_parallel_group(check_initialized=False, **replicate),
         dense_tp=ps.get_tensor_model_parallel_group(check_initialized=False),
         expert_tp=ps.get_expert_tensor_parallel_group(check_initialized=False),
+        dense_gtp=_gtp_group(ps, "get_gtp_weight_remat_group"),
+        expert_gtp=_gtp_group(ps, "get_expert_gtp_weight_remat_group"),
         tied=ps.get_embedding_group(check_initialized=False) if in_embedding else None,
         tied_params=tied_params if in_embedding else frozenset(),
         gathering=gathering,
@@ -114,28 +122,11 @@ def refuse_unaudited(comm: Communicator, optimizer: Any, params: Sequence[Any]) 
         why = "Megatron-FSDP (its weights live in its own sharded buffers)"
     elif any(is_dtensor(p) for p in params):
         why = "DTensor params (torch FSDP2): their Replicate axes"
-    elif comm.is_distributed() and _gtp_size() > 1:
-        why = "GTP weight remat (its copies on GTP peers)"
     if why is not None:
         raise UnsupportedOptimizerError(
             f"audit() does not compare the copies of {why} yet: param_l2_norm() works there; "
             "audit a DDP / distributed-optimizer layout"
         )
-
-
-def _gtp_size() -> int:
-    try:
-        from megatron.core import parallel_state as ps
-    except ImportError:
-        return 1
-    if not ps.model_parallel_is_initialized():
-        return 1
-    sizes = [1]
-    for getter in ("get_gtp_weight_remat_group", "get_expert_gtp_weight_remat_group"):
-        group = _gtp_group(ps, getter)
-        if group is not None:
-            sizes.append(group.size())
-    return max(sizes)
 
 
 def _gathering(chunks: Sequence[torch.nn.Module]) -> list[int]:
