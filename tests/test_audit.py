@@ -163,6 +163,19 @@ CASES = {
         ("tp-duplicates", "gtp-copies"),
         steps=0,
     ),
+    # The layer-wise optimizer (Muon, megatron-core 0.19 with emerging-optimizers): each param
+    # stepped whole on its assigned DP rank, then broadcast (Megatron-LM #7131's layout).
+    "muon-dp2-layer-wise": Case(
+        Layout(2, SMALL, optimizer="muon", layer_wise=True),
+        False,
+        (Fault(QKV, "dp-replicas-differ", 1),),
+    ),
+    "muon-tp2-dp2-layer-wise-distributed": Case(
+        Layout(4, SMALL, tp=2, optimizer="muon", layer_wise=True),
+        True,
+        (Fault(LN, "tp-duplicates-differ", 1), Fault(QKV, "dp-replicas-differ", 2)),
+        ("dp-replicas", "tp-duplicates"),
+    ),
     "pp2-tied": Case(
         Layout(2, SMALL, pp=2),
         False,
@@ -184,14 +197,18 @@ def _audit_body(case: Case, fault: Fault | None) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer
 
     init_parallel(**case.layout.parallel())
+    layout = case.layout
     chunks = build_model(
-        case.layout.cfg,
+        layout.cfg,
         use_distributed_optimizer=case.distributed,
         seed=3,
-        freeze=case.layout.freeze,
+        freeze=layout.freeze,
+        layer_wise_layout=layout.layer_wise and case.distributed,
         **dict(case.ddp),
     )
-    optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
+    extra = {"use_layer_wise_distributed_optimizer": True} if layout.layer_wise else {}
+    inner = build_optimizer(chunks, lr=1e-2, optimizer=layout.optimizer, **extra)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
     for step in range(case.steps):
         train_step(chunks, optimizer, seed=step)
     if not case.steps:
