@@ -41,6 +41,7 @@ class FindingKind(str, enum.Enum):
     TP_DUPLICATES_DIFFER = "tp-duplicates-differ"  # a weight TP does not split, across TP
     EXPERT_TP_DUPLICATES_DIFFER = "expert-tp-duplicates-differ"  # the same across expert-TP
     GTP_COPIES_DIFFER = "gtp-copies-differ"  # a weight GTP does not shard, across (expert) GTP
+    MESH_REPLICAS_DIFFER = "mesh-replicas-differ"  # a DTensor across a Replicate mesh axis
     TIED_COPIES_DIFFER = "tied-copies-differ"  # word embeddings vs the output weight tied to them
     MAIN_REPLICAS_DIFFER = "main-replicas-differ"  # fp32 mains (or one shard) across (expert) DP
     MAIN_TP_DUPLICATES_DIFFER = "main-tp-duplicates-differ"  # fp32 mains of TP duplicates
@@ -159,19 +160,19 @@ def run_audit(
     mains: dict[int, torch.Tensor] = {}
     for record in records:
         if id(record.param) not in layout.gathering:
-            weights[id(record.param)] = prints.fingerprint(record.param.detach())
-        main = _own_main(record)
+            weights[id(record.param)] = prints.fingerprint(_weight(record, layout))
+        main = _own_main(record, layout)
         if main is not None and _has_main_copies(record, layout, comm):
             mains[id(record.param)] = prints.fingerprint(main)
 
-    findings = _stale(records, me)
+    findings = _stale(records, me, layout)
     compared: list[tuple[str, int]] = []
     if not layout.single:
         for check in _checks(records, layout):
             if check.group is None or comm.size(check.group) == 1:
                 continue  # no copies (or no such group) here, nor on any peer
             compared.append((check.label, len(check.records)))
-            findings += _compare(check, weights, mains, comm, me)
+            findings += _compare(check, weights, mains, comm, me, layout)
     left_out = tuple(
         (r.global_name, "overlap-param-gather: its all-gather may be in flight")
         for r in records
@@ -180,13 +181,20 @@ def run_audit(
     return AuditReport(_agree(findings, comm, group), left_out, tuple(compared))
 
 
-def _own_main(record: ParamRecord) -> Optional[torch.Tensor]:
+def _weight(record: ParamRecord, layout: AuditLayout) -> torch.Tensor:
+    """The model weight this rank holds for ``record`` (a DTensor's local tensor)."""
+    local = layout.local.get(id(record.param)) if layout.local else None
+    return local if local is not None else record.param.detach()
+
+
+def _own_main(record: ParamRecord, layout: AuditLayout) -> Optional[torch.Tensor]:
     """The fp32 main (or shard) ``record`` holds, when it is a tensor with storage of its own
     (not the param itself or a view of it)."""
     tensor = record.tensor
     if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
         return None
-    if tensor.untyped_storage().data_ptr() == record.param.untyped_storage().data_ptr():
+    weight = _weight(record, layout)
+    if tensor.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
         return None
     return tensor
 
@@ -213,21 +221,33 @@ def _has_main_copies(record: ParamRecord, layout: AuditLayout, comm: Communicato
 
 def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]:
     """The groups of copies the counting rule treats as equal, as :class:`_Check` s."""
+    # A DTensor's copies are its Replicate axes (below); megatron's DP ranks hold other shards.
     dense = [r for r in records if not r.expert]
     expert = [r for r in records if r.expert]
+    unplaced = [r for r in records if id(r.param) not in layout.placed]
     kinds = FindingKind
-    return [
+    by_mesh = [
+        _Check(
+            "mesh-replicas",
+            group,
+            [r for r in records if id(r.param) in ids],
+            kinds.MESH_REPLICAS_DIFFER,
+            kinds.MESH_REPLICAS_DIFFER,
+        )
+        for group, ids in layout.mesh_replicas
+    ]
+    return by_mesh + [
         _Check(
             "dp-replicas",
             layout.dense_replicas,
-            dense,
+            [r for r in unplaced if not r.expert],
             kinds.DP_REPLICAS_DIFFER,
             kinds.MAIN_REPLICAS_DIFFER,
         ),
         _Check(
             "expert-dp-replicas",
             layout.expert_replicas,
-            expert,
+            [r for r in unplaced if r.expert],
             kinds.EXPERT_DP_REPLICAS_DIFFER,
             kinds.MAIN_REPLICAS_DIFFER,
         ),
@@ -323,6 +343,7 @@ def _compare(
     mains: dict[int, torch.Tensor],
     comm: Communicator,
     me: int,
+    layout: AuditLayout,
 ) -> list[Finding]:
     """Gather ``check``'s slots over its group and find the copies that differ (every member
     finds the same); two all-gathers."""
@@ -346,7 +367,7 @@ def _compare(
     return [
         finding
         for index in _suspects(table)
-        for finding in _explain(check, table[:, index].tolist(), ranks, index, me)
+        for finding in _explain(check, table[:, index].tolist(), ranks, index, me, layout)
     ]
 
 
@@ -366,7 +387,12 @@ def _suspects(table: torch.Tensor) -> list[int]:
 
 
 def _explain(
-    check: _Check, rows: list[list[int]], ranks: list[int], index: int, me: int
+    check: _Check,
+    rows: list[list[int]],
+    ranks: list[int],
+    index: int,
+    me: int,
+    layout: AuditLayout,
 ) -> list[Finding]:
     """The findings of one suspect slot (``rows``: each holder's slot, in group order), with
     the norm of this rank's copy attached (merged with the others' in :func:`_agree`)."""
@@ -377,14 +403,15 @@ def _explain(
     found = []
     if all(row[1] & _WEIGHT_OK for row in rows):
         holders = [(r, tuple(row[2:4])) for r, row in zip(ranks, rows)]
-        found += _with_norm(_differing(name, check.weight_kind, holders), me, record.param)
+        weight = _weight(record, layout)
+        found += _with_norm(_differing(name, check.weight_kind, holders), me, weight)
     by_range: dict[tuple[int, int], list[tuple[int, tuple]]] = {}
     for rank, row in zip(ranks, rows):
         if row[1] & _HAS_MAIN:
             by_range.setdefault((row[6], row[7]), []).append((rank, tuple(row[4:6])))
     for holders in by_range.values():
         mine = me in [rank for rank, _ in holders]
-        main = _own_main(record) if mine else None
+        main = _own_main(record, layout) if mine else None
         found += _with_norm(_differing(name, check.main_kind, holders), me, main)
     return found
 
@@ -411,15 +438,16 @@ def _differing(name: str, kind: FindingKind, holders: list[tuple[int, tuple]]) -
     return [Finding(name, kind, tuple(sorted(involved)), len(distinct))]
 
 
-def _stale(records: Sequence[ParamRecord], me: int) -> list[Finding]:
+def _stale(records: Sequence[ParamRecord], me: int, layout: AuditLayout) -> list[Finding]:
     """On this rank: the model weights that are not the rounding of the main they hold (one
     host sync for all of them)."""
     pairs = []
     for record in records:
-        main = _own_main(record)
+        main = _own_main(record, layout)
         if main is None or main.dtype == record.param.dtype:
             continue
-        weight = record.param.detach().view(-1)[record.offset : record.offset + main.numel()]
+        whole = _weight(record, layout).view(-1)
+        weight = whole[record.offset : record.offset + main.numel()]
         pairs.append((record, weight, main.view(-1)))
     if not pairs:
         return []

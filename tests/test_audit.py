@@ -452,15 +452,10 @@ def test_the_audit_costs_a_few_collectives_sized_by_params() -> None:
 def _refused_body(kind: str) -> str:
     from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
 
+    from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
     init_parallel()
-    if kind == "torch-fsdp2":
-        from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
-
-        chunks = build_torch_fsdp2_model(dataclasses.replace(SMALL, tie_embeddings=False), seed=3)
-    else:
-        from norm_optim.testing.megatron_fsdp import build_fsdp_model
-
-        chunks = build_fsdp_model(SMALL, seed=3)
+    chunks = build_fsdp_model(SMALL, seed=3)
     optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
     with pytest.raises(UnsupportedOptimizerError) as raised:
         optimizer.audit()
@@ -477,7 +472,6 @@ def _refused_body(kind: str) -> str:
                 not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15"
             ),
         ),
-        ("torch-fsdp2", "DTensor params"),
     ],
 )
 def test_layouts_it_cannot_audit_are_refused_by_name(kind: str, named: str) -> None:
@@ -610,3 +604,60 @@ def test_checkpoint_parity_at_load(tmp_path: Any) -> None:
     assert f"differs from the saved weights' in 1 layers: [{layer!r}]" in results[0]["stdout"]
     with pytest.raises(Exception, match="differs from the saved weights"):
         run_ranks(_parity_body, 2, load, "raise", timeout=120.0)
+
+
+# ------------------------------------------------------------------ torch FSDP2 (DTensor params)
+
+FSDP2 = {  # name: (world, how it is built, mesh shape or TP size, fault: (param, rank, kind))
+    "native-fsdp2": (2, "native", (2,), None),
+    "native-hsdp-2x2": (4, "native", (2, 2), ("norm.weight", 2, "mesh-replicas-differ")),
+    "megatron-fsdp2-tp2-dp2": (4, "megatron", 2, (LN, 1, "tp-duplicates-differ")),
+}
+
+
+def _fsdp2_body(name: str) -> dict[str, Any]:
+    from norm_optim import NormAwareOptimizer
+    from norm_optim.testing.torch_fsdp2 import (
+        build_native_fsdp2,
+        build_torch_fsdp2_model,
+        native_train_step,
+    )
+
+    world, how, shape, fault = FSDP2[name]
+    if how == "native":
+        model, inner, _ = build_native_fsdp2(shape)  # type: ignore[arg-type]
+        optimizer = NormAwareOptimizer(inner, model=model)
+        for step in range(2):
+            native_train_step(model, optimizer, seed=step)
+    else:
+        init_parallel(tp=shape)  # type: ignore[arg-type]
+        chunks = build_torch_fsdp2_model(dataclasses.replace(SMALL, tie_embeddings=False), seed=3)
+        optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
+        if megatron_at_least(0, 19):
+            for step in range(2):
+                train_step(chunks, optimizer, seed=step)
+        else:  # 0.16's TorchFullyShardedDataParallel does not train (test_torch_fsdp2.py)
+            fill_deterministic_(chunks, 11, optimizer=optimizer.wrapped_optimizer)
+    clean = optimizer.audit()
+    out: dict[str, Any] = {"clean": [str(f) for f in clean.findings], "compared": clean.compared}
+    if fault is not None:
+        param, rank, _ = fault
+        inject_fault_(optimizer, param, rank=rank)
+        out["faulty"] = [(f.param, str(f.kind), f.ranks) for f in optimizer.audit().findings]
+    return out
+
+
+@pytest.mark.parametrize("name", list(FSDP2))
+def test_torch_fsdp2_replicas_and_duplicates(name: str) -> None:
+    """DTensor params are compared over their Replicate mesh axes (megatron's DP ranks hold
+    other shards of them) and megatron's TP duplicates: no false alarm after real steps, a
+    fault named on every rank."""
+    world, _, _, fault = FSDP2[name]
+    results = run_ranks(_fsdp2_body, world, name, timeout=40.0)
+    for got in results:
+        assert got["clean"] == [], got
+    if fault is not None:
+        param, rank, kind = fault
+        first = results[0]["faulty"]
+        assert all(r["faulty"] == first for r in results)
+        assert any(p == param and k == kind and rank in ranks for p, k, ranks in first), first

@@ -39,6 +39,11 @@ class AuditLayout:
             the word embeddings and the output weight they are tied to), else None.
         tied_params: ids of this rank's params that are tied copies of each other across the
             embedding group (``shared_embedding`` / ``shared``).
+        placed: ids of DTensor params (torch FSDP2): their copies are the ``Replicate`` axes
+            of their placements, not megatron's DP group (whose ranks hold other shards).
+        mesh_replicas: per ``Replicate`` mesh axis group (in model order of first use), the ids
+            of the DTensor params replicated over it.
+        local: the local tensor of each DTensor param (what this rank's weight is).
         gathering: ids of params whose all-gather may be in flight or not yet started
             (overlap-param-gather with the distributed optimizer): their full weights are not
             comparable across copies now; only this rank's own shard of them is current.
@@ -53,6 +58,9 @@ class AuditLayout:
     expert_gtp: ProcessGroup = None
     tied: ProcessGroup = None
     tied_params: frozenset[int] = frozenset()
+    placed: frozenset[int] = frozenset()
+    mesh_replicas: tuple[tuple[ProcessGroup, frozenset[int]], ...] = ()
+    local: Optional[dict[int, torch.Tensor]] = None
     gathering: frozenset[int] = frozenset()
     single: bool = False
 
@@ -67,7 +75,7 @@ def audit_layout(
     """This rank's :class:`AuditLayout`; O(params), no collective.
 
     Raises :class:`~norm_optim.UnsupportedOptimizerError` naming a layout whose copies it
-    cannot compare yet (MIMO, Megatron-FSDP, DTensor params).
+    cannot compare yet (MIMO, Megatron-FSDP).
     """
     refuse_unaudited(comm, optimizer, params)
     gathering = frozenset(_gathering(chunks or []))
@@ -76,8 +84,9 @@ def audit_layout(
         for p in params
         if getattr(p, "shared_embedding", False) or getattr(p, "shared", False)
     )
+    placed = _placements(params)
     if not comm.is_distributed():
-        return AuditLayout(tied_params=tied_params, gathering=gathering, single=True)
+        return AuditLayout(tied_params=tied_params, gathering=gathering, single=True, **placed)
     if pg_collection is not None:
         group = lambda name: getattr(pg_collection, name, None)  # noqa: E731
         return AuditLayout(
@@ -90,10 +99,13 @@ def audit_layout(
             tied=group("embd") if tied_params else None,
             tied_params=tied_params if group("embd") is not None else frozenset(),
             gathering=gathering,
+            **placed,
         )
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
+        if placed["placed"] == frozenset(id(p) for p in params):
+            return AuditLayout(gathering=gathering, **placed)  # torch-native: placements only
         raise UnsupportedOptimizerError(
             "audit() needs megatron's parallel state (or pg_collection=...) to know which "
             "ranks hold copies of each weight"
@@ -110,6 +122,7 @@ def audit_layout(
         tied=ps.get_embedding_group(check_initialized=False) if in_embedding else None,
         tied_params=tied_params if in_embedding else frozenset(),
         gathering=gathering,
+        **placed,
     )
 
 
@@ -120,13 +133,36 @@ def refuse_unaudited(comm: Communicator, optimizer: Any, params: Sequence[Any]) 
         why = "a MimoOptimizer (each module's own process groups)"
     elif is_megatron_fsdp_v2(optimizer) or is_megatron_fsdp(optimizer):
         why = "Megatron-FSDP (its weights live in its own sharded buffers)"
-    elif any(is_dtensor(p) for p in params):
-        why = "DTensor params (torch FSDP2): their Replicate axes"
     if why is not None:
         raise UnsupportedOptimizerError(
             f"audit() does not compare the copies of {why} yet: param_l2_norm() works there; "
             "audit a DDP / distributed-optimizer layout"
         )
+
+
+def _placements(params: Sequence[Any]) -> dict[str, Any]:
+    """The :class:`AuditLayout` fields of DTensor params: which they are, their local tensors,
+    and the groups of their ``Replicate`` mesh axes (the placements state the copies)."""
+    from torch.distributed.tensor import Replicate
+
+    placed: set[int] = set()
+    local: dict[int, torch.Tensor] = {}
+    by_group: dict[int, tuple[ProcessGroup, set[int]]] = {}  # insertion order: model order
+    for param in params:
+        if not is_dtensor(param):
+            continue
+        placed.add(id(param))
+        # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
+        local[id(param)] = param._local_tensor
+        for axis, placement in enumerate(param.placements):
+            if type(placement) is Replicate:
+                group = param.device_mesh.get_group(axis)
+                by_group.setdefault(id(group), (group, set()))[1].add(id(param))
+    return dict(
+        placed=frozenset(placed),
+        local=local,
+        mesh_replicas=tuple((group, frozenset(ids)) for group, ids in by_group.values()),
+    )
 
 
 def _gathering(chunks: Sequence[torch.nn.Module]) -> list[int]:

@@ -46,7 +46,7 @@ def inject_fault_(
             its sign flipped (non-zero values change); ``"swap"``: elements ``index`` and
             ``index + 1`` exchanged (they must differ to change anything).
         rank: the global rank whose copy changes.
-        index: the element, in the flattened tensor this rank holds.
+        index: the element, in the flattened tensor this rank holds (a DTensor's local shard).
 
     Returns:
         True on the rank that changed its copy, False elsewhere.
@@ -58,6 +58,10 @@ def inject_fault_(
     if _global_rank() != rank:
         return False
     tensor = _target_tensor(target, param_name, what)
+    # A DTensor (torch FSDP2): this rank's local shard; a view of the DTensor itself would
+    # redistribute it, a collective on this rank alone.
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
+    tensor = getattr(tensor, "_local_tensor", tensor)
     flat = tensor.view(-1)
     last = index + 1 if how == "swap" else index
     if not (index >= 0 and last < flat.numel()):
