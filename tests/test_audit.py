@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.faults import inject_fault_
@@ -449,161 +450,76 @@ def test_the_audit_costs_a_few_collectives_sized_by_params() -> None:
         assert all(shape[0] <= got["params"] for shape in gathers)
 
 
+MEGATRON_FSDP = {  # name: (layout, fault: (param, what, how, rank, kind))
+    "dp2": (Layout(2, SMALL), (ANY_MAIN, "main", "sign", 0, "weight-stale-against-main")),
+    "tp2-dp2": (Layout(4, SMALL, tp=2), (LN, "weight", "nudge", 3, "tp-duplicates-differ")),
+}
+
+
+def _megatron_fsdp_body(name: str) -> dict[str, Any]:
+    from norm_optim import NormAwareOptimizer
+    from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+    layout, (param, what, how, rank, _) = MEGATRON_FSDP[name]
+    init_parallel(**layout.parallel())
+    chunks = build_fsdp_model(layout.cfg, seed=3)
+    optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
+    for step in range(2):
+        train_step(chunks, optimizer, seed=step)
+    clean = optimizer.audit()
+    if param == ANY_MAIN:
+        param = next(
+            r.global_name
+            for r in optimizer.registry
+            if isinstance(r.tensor, torch.Tensor) and r.tensor.numel() > 1
+        )
+    inject_fault_(optimizer, param, what=what, how=how, rank=rank)  # type: ignore[arg-type]
+    faulty = optimizer.audit()
+    return {
+        "clean": [str(f) for f in clean.findings],
+        "compared": dict(clean.compared),
+        "param": param,
+        "faulty": [(f.param, str(f.kind), f.ranks) for f in faulty.findings],
+    }
+
+
+@pytest.mark.skipif(not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15")
+@pytest.mark.parametrize("name", list(MEGATRON_FSDP))
+def test_megatron_fsdp_shards_against_mains_and_tp_duplicates(name: str) -> None:
+    """Megatron-FSDP (optim_grads_params): each rank's bf16 weight shard against its fp32 main
+    shard, and TP duplicates' shards; its DP ranks hold other shards (nothing to compare)."""
+    layout, (_, _, _, rank, kind) = MEGATRON_FSDP[name]
+    results = run_ranks(_megatron_fsdp_body, layout.world, name, timeout=TIMEOUT)
+    for got in results:
+        assert got["clean"] == [], got["clean"]
+        assert got["faulty"] == results[0]["faulty"]
+    param = results[rank]["param"]
+    first = results[0]["faulty"]
+    assert any(p == param and k == kind and rank in r for p, k, r in first), first
+
+
 def _refused_body(kind: str) -> str:
     from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
-
     from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
     init_parallel()
-    chunks = build_fsdp_model(SMALL, seed=3)
+    chunks = build_fsdp_model(SMALL, seed=3, version=2)
     optimizer = NormAwareOptimizer(build_optimizer(chunks, lr=1e-2), model=chunks)
     with pytest.raises(UnsupportedOptimizerError) as raised:
         optimizer.audit()
     return str(raised.value)
 
 
-@pytest.mark.parametrize(
-    ("kind", "named"),
-    [
-        pytest.param(
-            "megatron-fsdp",
-            "Megatron-FSDP",
-            marks=pytest.mark.skipif(
-                not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15"
-            ),
-        ),
-    ],
-)
-def test_layouts_it_cannot_audit_are_refused_by_name(kind: str, named: str) -> None:
-    for message in run_ranks(_refused_body, 2, kind, timeout=TIMEOUT):
-        assert named in message and "audit()" in message
+def _has_fsdp_v2() -> bool:
+    from norm_optim.testing.megatron_fsdp import has_megatron_fsdp_v2
+
+    return bool(has_megatron_fsdp_v2())
 
 
-# ------------------------------------------------------------------ in Megatron-LM's loop
-
-
-def _loop_skip_reason() -> str | None:
-    import inspect
-
-    try:
-        from megatron.training import argument_utils, training
-    except ImportError:
-        return "no megatron.training (Megatron-LM's loop ships in the wheel since 0.17)"
-    first = next(iter(inspect.signature(training.pretrain).parameters))
-    if first != "cfg_container" or not hasattr(argument_utils, "gpt_config_from_args"):
-        return "the pretrain() runner of norm_optim.testing.megatron_lm drives the 0.19 API"
-    return None
-
-
-NEEDS_LOOP = pytest.mark.skipif(_loop_skip_reason() is not None, reason=str(_loop_skip_reason()))
-
-
-def _loop_body(action: str, fault_rank: int | None) -> dict[str, Any]:
-    import functools
-    import inspect
-
-    from megatron.training import training
-
-    from norm_optim.integrations import megatron_lm
-    from norm_optim.testing.megatron_lm import (
-        RecordingSummaryWriter,
-        pretrain_gpt,
-        recording_tensorboard_patches,
-        tiny_gpt_args,
-    )
-    from norm_optim._patching import Patch, patches_applied
-
-    training_log = training.training_log
-    signature = inspect.signature(training_log)
-    handle: list[Any] = []
-
-    @functools.wraps(training_log)
-    def spy(*args: Any, **kwargs: Any) -> Any:  # inside install()'s training_log
-        iteration = signature.bind(*args, **kwargs).arguments["iteration"]
-        if iteration == 2 and fault_rank is not None:
-            inject_fault_(handle[0].optimizer, QKV, rank=fault_rank)
-        return training_log(*args, **kwargs)
-
-    writer = RecordingSummaryWriter()
-    patches = [Patch(training, "training_log", spy), *recording_tensorboard_patches(writer)]
-    argv = tiny_gpt_args(
-        train_iters=3, extra=("--tensorboard-dir", "unused", "--tensorboard-log-interval", "1")
-    )
-    with patches_applied(patches), megatron_lm.install(audit_interval=2, audit_action=action) as h:
-        handle.append(h)
-        pretrain_gpt(argv)
-    return {
-        "reports": h.audit.reports,
-        "scalars": [(v, s) for tag, v, s in writer.scalars if tag == "params-audit/findings"],
-    }
-
-
-@NEEDS_LOOP
-def test_install_audits_at_the_first_iteration_and_every_interval() -> None:
-    results = run_ranks(_loop_body, 2, "warn", None, timeout=120.0)
-    for got in results:
-        assert got["reports"] == [(1, 0), (2, 0)]
-    assert results[-1]["scalars"] == [(0.0, 1), (0.0, 2)]  # the last rank holds the writer
-
-
-@NEEDS_LOOP
-def test_install_warns_or_raises_on_a_fault() -> None:
-    results = run_ranks(_loop_body, 2, "warn", 1, timeout=120.0)
-    for got in results:
-        assert got["reports"][0] == (1, 0) and got["reports"][1][1] > 0
-    assert results[-1]["scalars"][1][0] > 0
-    with pytest.raises(Exception, match=r"dp-replicas-differ .*linear_qkv.weight"):
-        run_ranks(_loop_body, 2, "raise", 1, timeout=120.0)
-
-
-def test_install_refuses_bad_audit_options() -> None:
-    from norm_optim.integrations._common import AuditSchedule
-
-    with pytest.raises(ValueError, match="audit_interval"):
-        AuditSchedule(-1, "warn")
-    with pytest.raises(ValueError, match="audit_action"):
-        AuditSchedule(2, "ignore")
-
-
-def _parity_body(extra: list[str], action: str) -> dict[str, Any]:
-    from norm_optim.integrations import megatron_lm
-    from norm_optim.testing.megatron_lm import pretrain_gpt, tiny_gpt_args
-
-    train_iters = 4 if "--load" in extra else 2
-    argv = tiny_gpt_args(
-        use_distributed_optimizer=False, lr=0.0, train_iters=train_iters, extra=extra
-    )
-    with megatron_lm.install(checkpoint_parity=True, audit_action=action) as handle:
-        result = pretrain_gpt(argv)
-    assert handle.parity is not None
-    return {"at_load": handle.parity.at_load, "stdout": result.stdout}
-
-
-@NEEDS_LOOP
-def test_checkpoint_parity_at_load(tmp_path: Any) -> None:
-    """Saved norms beside the checkpoint; equal after a good load; a layer that differs from
-    what was saved is named (here: the saved file edited, as if saved from another model)."""
-    import json
-
-    save = ["--save", str(tmp_path), "--save-interval", "2", "--ckpt-format", "torch_dist"]
-    run_ranks(_parity_body, 2, save, "warn", timeout=120.0)
-    saved_file = tmp_path / "iter_0000002" / "norm_optim_norms.json"
-    saved = json.loads(saved_file.read_text())
-    assert saved["iteration"] == 2 and saved["per_layer"]
-    load = ["--load", str(tmp_path), "--ckpt-format", "torch_dist"]
-    load += ["--override-opt-param-scheduler", "--no-load-rng"]
-    for got in run_ranks(_parity_body, 2, load, "warn", timeout=120.0):
-        at_load = got["at_load"]
-        assert at_load["iteration"] == 2 and at_load["compared"] and at_load["differ"] == []
-        assert at_load["total"] == pytest.approx(saved["total"], rel=1e-6)
-    layer = sorted(saved["per_layer"])[0]
-    saved["per_layer"][layer] *= 1.01
-    saved_file.write_text(json.dumps(saved))
-    results = run_ranks(_parity_body, 2, load, "warn", timeout=120.0)
-    assert all(r["at_load"]["differ"] == [layer] for r in results)
-    assert f"differs from the saved weights' in 1 layers: [{layer!r}]" in results[0]["stdout"]
-    with pytest.raises(Exception, match="differs from the saved weights"):
-        run_ranks(_parity_body, 2, load, "raise", timeout=120.0)
+@pytest.mark.skipif(not _has_fsdp_v2(), reason="Megatron-FSDP v2 exists on megatron-core main")
+def test_megatron_fsdp_v2_is_refused_by_name() -> None:
+    for message in run_ranks(_refused_body, 2, "megatron-fsdp-v2", timeout=TIMEOUT):
+        assert "Megatron-FSDP v2" in message and "audit()" in message
 
 
 # ------------------------------------------------------------------ torch FSDP2 (DTensor params)

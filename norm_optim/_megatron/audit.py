@@ -17,7 +17,7 @@ import torch
 from .._comm import Communicator, ProcessGroup
 from .._errors import UnsupportedOptimizerError
 from .dtensor import is_dtensor
-from .fsdp import is_megatron_fsdp
+from .fsdp import is_megatron_fsdp, weight_shards
 from .fsdp_v2 import is_megatron_fsdp_v2
 from .mimo import is_mimo
 from .parallel_state import _gtp_group, _without_gtp_remat
@@ -75,7 +75,7 @@ def audit_layout(
     """This rank's :class:`AuditLayout`; O(params), no collective.
 
     Raises :class:`~norm_optim.UnsupportedOptimizerError` naming a layout whose copies it
-    cannot compare yet (MIMO, Megatron-FSDP).
+    cannot compare yet (MIMO, Megatron-FSDP v2).
     """
     refuse_unaudited(comm, optimizer, params)
     gathering = frozenset(_gathering(chunks or []))
@@ -85,6 +85,11 @@ def audit_layout(
         if getattr(p, "shared_embedding", False) or getattr(p, "shared", False)
     )
     placed = _placements(params)
+    if is_megatron_fsdp(optimizer):
+        # Megatron-FSDP: each rank's bf16 weight shard and fp32 main shard of the same elements;
+        # its DP ranks hold other shards, so only the TP / GTP / tied checks see copies.
+        shards = weight_shards(optimizer)
+        placed = dict(placed, placed=frozenset(shards), local=shards)
     if not comm.is_distributed():
         return AuditLayout(tied_params=tied_params, gathering=gathering, single=True, **placed)
     if pg_collection is not None:
@@ -131,8 +136,8 @@ def refuse_unaudited(comm: Communicator, optimizer: Any, params: Sequence[Any]) 
     why = None
     if is_mimo(optimizer):
         why = "a MimoOptimizer (each module's own process groups)"
-    elif is_megatron_fsdp_v2(optimizer) or is_megatron_fsdp(optimizer):
-        why = "Megatron-FSDP (its weights live in its own sharded buffers)"
+    elif is_megatron_fsdp_v2(optimizer):
+        why = "Megatron-FSDP v2 (its weights live in its parameter groups' flat buffers)"
     if why is not None:
         raise UnsupportedOptimizerError(
             f"audit() does not compare the copies of {why} yet: param_l2_norm() works there; "
@@ -179,9 +184,14 @@ def _gathering(chunks: Sequence[torch.nn.Module]) -> list[int]:
             and getattr(config, "overlap_param_gather", False)
         ):
             continue
-        buffers = list(getattr(chunk, "buffers", [])) + list(
-            getattr(chunk, "expert_parallel_buffers", [])
-        )
+        # megatron DDP's buffer lists (Megatron-FSDP has none: ``buffers`` is then the
+        # torch Module method, and its gathers are its own).
+        buffers = [
+            buffer
+            for name in ("buffers", "expert_parallel_buffers")
+            if isinstance(getattr(chunk, name, None), (list, tuple))
+            for buffer in getattr(chunk, name)
+        ]
         for buffer in buffers:
             ids.extend(id(p) for p in buffer.params)
     return ids

@@ -100,6 +100,18 @@ def read_megatron_fsdp(
         )
 
 
+def weight_shards(optimizer: Any) -> dict[int, torch.Tensor]:
+    """``id(model param)`` -> this rank's bf16 shard of it in its bucket's ``model_weight_buffer``
+    (the same elements as its fp32 main-weight shard): the weight the audit compares, since the
+    param's own data is the unsharded buffer, current only between a gather and its release."""
+    shards: dict[int, torch.Tensor] = {}
+    for chunk in _model_chunks(optimizer):
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            for item, param in enumerate(group.params):
+                shards[id(param)] = group.model_weight_buffer.get_item(item, only_shard=True)
+    return shards
+
+
 def _stepped_params(optimizer: Any) -> dict[int, tuple[torch.Tensor, str]]:
     """``id(original param)`` -> (the DTensor the optimizer steps, its leaf's class name)."""
     stepped: dict[int, tuple[torch.Tensor, str]] = {}

@@ -40,7 +40,8 @@ def inject_fault_(
             or the model (a module or list of chunks; ``what="weight"`` only).
         param_name: the param's local name (``registry[...]`` keys) or its layout-independent
             name.
-        what: ``"weight"``: the model weight this rank holds (a DP replica, a TP duplicate...);
+        what: ``"weight"``: the model weight this rank holds (a DP replica, a TP duplicate...;
+            under Megatron-FSDP its shard in the model-weight buffer, a DTensor's local shard);
             ``"main"``: the fp32 main param, or main shard, this rank holds for it.
         how: ``"nudge"``: the element's next representable value (its lowest bit); ``"sign"``:
             its sign flipped (non-zero values change); ``"swap"``: elements ``index`` and
@@ -90,6 +91,13 @@ def _target_tensor(target: Any, name: str, what: What) -> torch.Tensor:
     if registry is not None:
         record = registry[name]
         if what == "weight":
+            from norm_optim._megatron.fsdp import is_megatron_fsdp, weight_shards
+
+            inner = getattr(target, "wrapped_optimizer", None)
+            if inner is not None and is_megatron_fsdp(inner):
+                # Megatron-FSDP: this rank's shard in the model-weight buffer (the param's
+                # own data is the unsharded buffer, released between gathers).
+                return weight_shards(inner)[id(record.param)]
             return record.param.data
         if not isinstance(record.tensor, torch.Tensor) or record.tensor.numel() == 0:
             raise ValueError(f"this rank holds no fp32 main of {name!r} ({record.source})")
