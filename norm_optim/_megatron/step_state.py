@@ -1,0 +1,230 @@
+"""What one optimizer step did to each fp32 tensor: its grad, its update, its Adam moments.
+
+The optimizer-specific half of :meth:`~norm_optim.NormAwareOptimizer.step_norms`, returning plain
+data for the tensors the registry already holds (its records' ``tensor``):
+
+- :func:`read_step_state` checks, before the step, that every leaf is a kind whose step it can
+  read exactly, and refuses the others by name (never a number);
+- :class:`StepState` maps each fp32 main (or shard) to its inner torch optimizer's param group
+  and state, and gives its grad, its moments and its update.
+
+The update ``θ_after − θ_before`` is *derived* from what the optimizer holds after the step, so
+that no copy of the weights is ever kept (the issue's memory bound): torch's Adam / AdamW and SGD
+keep every term of their rule in their state and param groups. The derivation is exact math on
+the stored values; the difference the step *stored* also carries the fp32 rounding of
+``θ_after``, so the two differ by at most about one ulp of each weight (see docs/step-norms.md).
+A rule this module does not know (TE's / apex's FusedAdam, Muon, ...) is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from .._errors import UnsupportedOptimizerError
+from .._versions import megatron_core_version_string
+from .fsdp import is_megatron_fsdp
+from .fsdp_v2 import is_megatron_fsdp_v2
+from .holdings import leaves
+from .mimo import is_mimo
+
+# Elements per piece of the derived update: three float64 temporaries of this size (768 KiB)
+# are all an armed step allocates for it, whatever the tensor sizes.
+UPDATE_PIECE = 1 << 15
+
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One fp32 tensor the inner torch optimizer steps: its param group and its state."""
+
+    group: dict
+    states: Any  # the inner optimizer's ``state``: read with ``get`` (a defaultdict)
+    param: torch.Tensor
+    kind: str  # "adam" or "sgd"
+
+    @property
+    def state(self) -> dict:
+        """This tensor's state now (empty before its first step); never creates an entry."""
+        return self.states.get(self.param) or {}
+
+
+class StepState:
+    """The inner optimizers' param groups and state, by the fp32 tensors they step.
+
+    Built at an armed step (O(params)); holds references only, no copy.
+    """
+
+    def __init__(self, entries: dict[int, _Entry], has_moments: bool) -> None:
+        self._entries = entries
+        self.has_moments = has_moments
+        """Whether the optimizer keeps Adam moments (same answer on every rank: from its
+        config and kind, not from which state this rank holds)."""
+
+    def _entry(self, tensor: torch.Tensor, name: str) -> _Entry:
+        entry = self._entries.get(id(tensor))
+        if entry is None:
+            raise UnsupportedOptimizerError(
+                f"the fp32 tensor norm_optim holds for {name!r} is not a tensor the inner "
+                "optimizer steps (a padded or re-encoded shard?): its step cannot be read exactly"
+            )
+        return entry
+
+    def check(self, tensor: torch.Tensor, name: str) -> None:
+        """Refuse, before the step, a counted tensor whose step cannot be read."""
+        entry = self._entry(tensor, name)
+        if tensor.dtype != torch.float32:
+            raise UnsupportedOptimizerError(
+                f"{name!r} is stepped as a {tensor.dtype} tensor: step norms derive updates on "
+                "fp32 tensors only (its rounding would dominate the update)"
+            )
+        group = entry.group
+        if entry.kind == "sgd" and group.get("nesterov", False):
+            raise UnsupportedOptimizerError(
+                "torch.optim.SGD with nesterov=True: its update is not derived by norm_optim"
+            )
+
+    @staticmethod
+    def grad(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The grad the step reads for ``tensor`` (Megatron writes it onto the fp32 main)."""
+        return tensor.grad
+
+    def moments(self, tensor: torch.Tensor, name: str) -> tuple[Optional[torch.Tensor], ...]:
+        """``(exp_avg, exp_avg_sq)`` of an Adam-stepped tensor (None where there is no state)."""
+        entry = self._entry(tensor, name)
+        if entry.kind != "adam":
+            return None, None
+        return entry.state.get("exp_avg"), entry.state.get("exp_avg_sq")
+
+    def update_pieces(self, tensor: torch.Tensor, name: str) -> Iterator[torch.Tensor]:
+        """``θ_after − θ_before`` of ``tensor`` as float64 pieces of at most ``UPDATE_PIECE``
+        elements, derived from the post-step state (see the module docstring).
+
+        Call it right after the step, before anything else changes the tensor, its state or its
+        param group's hyper-parameters (a scheduler's ``lr``).
+        """
+        entry = self._entry(tensor, name)
+        group, state = entry.group, entry.state
+        if not state:  # never stepped: no update
+            return
+        lr = float(group["lr"])
+        wd = float(group.get("weight_decay", 0.0))
+        flat = tensor.detach().reshape(-1)
+        if entry.kind == "adam":
+            beta1, beta2 = (float(b) for b in group["betas"])
+            step = float(state["step"])
+            bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+            step_size, eps = lr / bias1, float(group["eps"])
+            decoupled = bool(group.get("decoupled_weight_decay", False))
+            m = state["exp_avg"].reshape(-1)
+            v = state["max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"]
+            v = v.reshape(-1)
+            for start in range(0, flat.numel(), UPDATE_PIECE):
+                end = min(start + UPDATE_PIECE, flat.numel())
+                # u = step_size · m / (√v / √bc2 + eps): what the step subtracted.
+                u = v[start:end].double().sqrt_().div_(bias2_sqrt).add_(eps)
+                u = torch.div(m[start:end].double(), u, out=u).mul_(step_size)
+                if decoupled and wd:
+                    # θ_a = θ_b·(1 − lr·wd) − u, so Δ = −(lr·wd·θ_a + u) / (1 − lr·wd).
+                    theta = flat[start:end].double().mul_(lr * wd)
+                    yield theta.add_(u).div_(-(1 - lr * wd))
+                else:  # torch.optim.Adam's L2 decay is inside the moments already
+                    yield u.neg_()
+        else:
+            buf = state.get("momentum_buffer")
+            grad = tensor.grad
+            sign = -1.0 if group.get("maximize", False) else 1.0
+            for start in range(0, flat.numel(), UPDATE_PIECE):
+                end = min(start + UPDATE_PIECE, flat.numel())
+                if buf is not None:  # Δ = −lr · buf (decay and maximize are inside it)
+                    yield buf.reshape(-1)[start:end].double().mul_(-lr)
+                elif grad is not None:
+                    # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
+                    g = grad.reshape(-1)[start:end].double().mul_(sign)
+                    theta = flat[start:end].double().mul_(wd)
+                    yield theta.add_(g).mul_(-lr / (1 - lr * wd))
+
+
+def read_step_state(optimizer: Any) -> StepState:
+    """The :class:`StepState` of ``optimizer``; refuses, by name, a kind whose step it cannot
+    read exactly (call it before the step, on every rank: the answer does not depend on what a
+    rank holds)."""
+    version = megatron_core_version_string()
+    _refuse_containers(optimizer, version)
+    entries: dict[int, _Entry] = {}
+    has_moments = False
+    for leaf in leaves(optimizer):
+        inner = (
+            leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
+        )
+        config = getattr(leaf, "config", None)
+        if inner is None:  # a stub: this rank holds nothing; the config says the kind
+            has_moments |= getattr(config, "optimizer", "adam") == "adam"
+            continue
+        _refuse_leaf(leaf, inner, config, version)
+        kind = "adam" if type(inner) in _ADAM else "sgd"
+        has_moments |= kind == "adam"
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if _is_dtensor(param):
+                    raise UnsupportedOptimizerError(
+                        f"{type(inner).__name__} over DTensor params (torch FSDP2): step norms "
+                        "do not read DTensor grads yet"
+                    )
+                entries[id(param)] = _Entry(group, inner.state, param, kind)
+    return StepState(entries, has_moments)
+
+
+def _refuse(what: str, version: str, why: str) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(f"step norms of a {what} ({version}): {why}")
+
+
+def _refuse_containers(optimizer: Any, version: str) -> None:
+    if is_mimo(optimizer):
+        raise _refuse("MimoOptimizer", version, "not read yet; param_l2_norms() serves it")
+    if is_megatron_fsdp_v2(optimizer) or is_megatron_fsdp(optimizer):
+        raise _refuse(
+            "Megatron-FSDP optimizer",
+            version,
+            "its grads and main weights live in Megatron-FSDP's buffers, not read yet",
+        )
+    if hasattr(optimizer, "dp_cp_params_list"):
+        raise _refuse(
+            "LayerWiseDistributedOptimizer (Muon and the emerging optimizers)",
+            version,
+            "their update rule (orthogonalized momentum) is not derived by norm_optim",
+        )
+
+
+def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
+    inner_name = f"{type(inner).__module__}.{type(inner).__qualname__}"
+    if bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)):
+        raise _refuse(
+            "precision-aware optimizer",
+            version,
+            "its grads are decoupled_grad and its masters live in TE's FusedAdam state; not "
+            "read yet",
+        )
+    if type(inner).__name__ == "HybridDeviceOptimizer":
+        raise _refuse(
+            "HybridDeviceOptimizer (CPU offload)",
+            version,
+            "its sub-optimizers step copies of the fp32 mains; not read yet",
+        )
+    if type(inner) not in (*_ADAM, torch.optim.SGD):
+        raise _refuse(
+            inner_name,
+            version,
+            "its update rule is not one norm_optim derives (torch.optim.Adam, AdamW, SGD); "
+            "TE's and apex's FusedAdam are not read yet",
+        )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
+    return hasattr(tensor, "_local_tensor")
