@@ -1,0 +1,210 @@
+"""Step norms: what one armed ``step()`` saw and did, per param and layer, in one all-reduce.
+
+:class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer. Megatron clips the
+grads in place inside ``step()``, between ``prepare_grads()`` (copy to the fp32 mains, unscale,
+found-inf check) and ``step_with_ready_grads()`` (the inner step); every megatron-core release
+from 0.14 to main calls both through ``self``, so for this one step the measurement sets them as
+attributes of the optimizer instance (removed after it): the grads' sums of squares are taken
+right after ``prepare_grads()`` returns, before any clipping, and a call of
+``step_with_ready_grads()`` is what says the step was not skipped. After the step, the weights,
+the updates (derived from the optimizer's state: :mod:`norm_optim._megatron.step_state`) and the
+Adam moments are summed over the same slots, and the five vectors travel as one packet.
+
+An unarmed step never reaches this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._comm import Done, Work
+from ._errors import NormOptimError
+from ._megatron.step_state import StepState, read_step_state
+from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
+
+
+@dataclasses.dataclass(frozen=True)
+class StepNorms:
+    """The global L2 norms of one optimizer step (0-dim float64 tensors, no host sync until read).
+
+    Attributes:
+        weights: the fp32 main weights after the step (as ``param_l2_norms()`` then).
+        grads: the gradient the step used: after loss-scale unscaling, before clipping.
+        updates: the change the step made to the fp32 mains (θ after − θ before; clipping and
+            weight decay included), zero for a skipped step.
+        exp_avg, exp_avg_sq: Adam's moments after the step; None for an optimizer without them.
+        update_to_weight: per layer, ``updates.per_layer / weights.per_layer`` (None without
+            ``per_param``).
+        skipped: the optimizer skipped the step (fp16 overflow, or a grad-norm threshold).
+    """
+
+    weights: ParamNorms
+    grads: ParamNorms
+    updates: ParamNorms
+    exp_avg: Optional[ParamNorms]
+    exp_avg_sq: Optional[ParamNorms]
+    update_to_weight: Optional[NamedNorms]
+    skipped: bool
+
+    @property
+    def update_to_weight_total(self) -> torch.Tensor:
+        """‖Δθ‖ / ‖θ‖ over the whole model."""
+        return self.updates.total / self.weights.total
+
+
+class PendingStepNorms:
+    """A step's packet whose all-reduce may still be in flight; :meth:`wait` gives
+    :class:`StepNorms`."""
+
+    def __init__(
+        self,
+        packet: torch.Tensor,
+        work: Work,
+        reducer: NormReducer,
+        per_param: bool,
+        has_moments: bool,
+        skipped: bool,
+    ) -> None:
+        self._packet, self._work, self._reducer = packet, work, reducer
+        self._per_param, self._has_moments, self._skipped = per_param, has_moments, skipped
+        self._result: Optional[StepNorms] = None
+
+    def wait(self) -> StepNorms:
+        if self._result is None:
+            self._work.wait()
+            slots = self._reducer.per_param_slots if self._per_param else None
+            n = self._reducer.num_slots(self._per_param)
+            norms = [PendingNorms(part, Done(), slots).wait() for part in self._packet.split(n)]
+            weights, grads, updates = norms[:3]
+            exp_avg, exp_avg_sq = norms[3:] if self._has_moments else (None, None)
+            ratio = None
+            if weights.per_layer is not None and updates.per_layer is not None:
+                w, u = weights.per_layer, updates.per_layer
+                assert isinstance(w, NamedNorms) and isinstance(u, NamedNorms)
+                ratio = NamedNorms(w._index, u.vector / w.vector)
+            self._result = StepNorms(
+                weights, grads, updates, exp_avg, exp_avg_sq, ratio, self._skipped
+            )
+        return self._result
+
+
+class StepMeasurement:
+    """One armed step: arm (checks, names exchange), run the step inside :meth:`around`, then
+    :meth:`launch` the packet.
+
+    Args:
+        reducer: the wrapper's current reducer (records, slots, the weights' plans).
+        optimizer: the wrapped optimizer (its instance gets the two hooks for the step).
+        per_param: also per-param, per-layer and per-expert norms.
+    """
+
+    def __init__(self, reducer: NormReducer, optimizer: Any, per_param: bool) -> None:
+        self.reducer, self.optimizer, self.per_param = reducer, optimizer, per_param
+        self.state: StepState = read_step_state(optimizer)
+        self._counted = reducer.registry.counted
+        for record in self._counted:  # refuse now, before the step, not after it
+            if not record.source.is_frozen:
+                self.state.check(record.tensor, record.name)  # type: ignore[arg-type]
+        reducer.num_slots(per_param)  # builds the per-param slots (the names exchange) now
+        self._grads: Optional[torch.Tensor] = None
+        self._stepped = False
+
+    @contextlib.contextmanager
+    def around(self) -> Iterator[None]:
+        """The step runs inside: grads are summed after ``prepare_grads()``, and a call of
+        ``step_with_ready_grads()`` marks the step as taken. A plain torch optimizer has neither:
+        its grads are summed now and its step is never skipped."""
+        optimizer = self.optimizer
+        if not hasattr(optimizer, "prepare_grads"):
+            self._grads = self._grad_squares()
+            self._stepped = True
+            yield
+            return
+
+        def prepare_grads(*args: Any, **kwargs: Any) -> Any:
+            found_inf = original_prepare(*args, **kwargs)
+            self._grads = self._grad_squares()
+            return found_inf
+
+        def step_with_ready_grads(*args: Any, **kwargs: Any) -> Any:
+            self._stepped = True
+            return original_step(*args, **kwargs)
+
+        original_prepare = optimizer.prepare_grads
+        original_step = optimizer.step_with_ready_grads
+        with _instance_attributes(
+            optimizer,
+            prepare_grads=prepare_grads,
+            step_with_ready_grads=step_with_ready_grads,
+        ):
+            yield
+
+    def launch(self) -> PendingStepNorms:
+        """After the step: the local sums of every quantity, then one all-reduce of them all."""
+        if self._grads is None:
+            raise NormOptimError(
+                f"{type(self.optimizer).__name__}.step() did not call prepare_grads(): the "
+                "grads of this step could not be read"
+            )
+        reducer, per_param, records = self.reducer, self.per_param, self._counted
+        state = self.state
+        parts = [reducer.local_weight_squares(per_param), self._grads, self._update_squares()]
+        if state.has_moments:
+            moments = [
+                state.moments(r.tensor, r.name) if not r.source.is_frozen else (None, None)  # type: ignore[arg-type]
+                for r in records
+            ]
+            parts.append(reducer.local_squares([m for m, _ in moments], per_param))
+            parts.append(reducer.local_squares([v for _, v in moments], per_param))
+        packet = torch.cat(parts)
+        work = reducer.comm.all_reduce_sum(packet, reducer.group, True)
+        return PendingStepNorms(
+            packet, work, reducer, per_param, state.has_moments, skipped=not self._stepped
+        )
+
+    def _grad_squares(self) -> torch.Tensor:
+        grads = [
+            StepState.grad(r.tensor) if not r.source.is_frozen else None  # type: ignore[arg-type]
+            for r in self._counted
+        ]
+        return self.reducer.local_squares(grads, self.per_param)
+
+    def _update_squares(self) -> torch.Tensor:
+        """Sums of squares of the derived updates, piece by bounded piece (float64 pieces: a
+        float64 dot product of at most ``UPDATE_PIECE`` elements is exact enough, and needs no
+        plan); zero for a skipped step."""
+        reducer, per_param = self.reducer, self.per_param
+        squares = torch.zeros(
+            reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
+        )
+        if self._stepped:
+            slots = reducer.counted_slots(per_param)
+            for record, slot in zip(self._counted, slots):
+                if record.source.is_frozen:
+                    continue
+                for piece in self.state.update_pieces(record.tensor, record.name):  # type: ignore[arg-type]
+                    squares[slot] += torch.dot(piece, piece).to(squares.device)
+        return reducer.fold(squares) if per_param else squares
+
+
+@contextlib.contextmanager
+def _instance_attributes(target: Any, **values: Callable[..., Any]) -> Iterator[None]:
+    """Set attributes on one instance for the ``with`` block, then remove them (or put back
+    what the instance itself had): nothing of ours is left on the optimizer."""
+    own = vars(target)
+    saved = {name: own[name] for name in values if name in own}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in saved:
+                setattr(target, name, saved[name])
+            else:
+                delattr(target, name)
