@@ -1,0 +1,322 @@
+"""Step norms on real CPU ranks: grads before clipping, updates, Adam moments, in one collective.
+
+Each case trains the tiny GPT one plain step (so Adam state exists), arms the next step with
+``measure_next_step(per_param=True)`` and runs it through a probe that stands between
+megatron's schedule and the optimizer: right before ``step()`` it snapshots, itself, every
+param's ``main_grad`` (unscaled by the loss scale, before megatron clips anything) and its fp32
+main (Megatron's ``main_param`` attribute, or the fp32 param itself); after it, the mains again and
+the inner optimizer's state read directly. The per-param oracle is the sum over ranks of those
+snapshots, each element counted once by the test's own rule (TP split by megatron's marker,
+DP rank 0 for whole replicas, every shard of the distributed optimizer): independent of the
+registry. The grads' total is also checked against the grad norm megatron's ``step()`` returns.
+
+The update is derived from the optimizer's post-step state (no copy of the weights), so it is
+compared with the stored difference within the bound the derivation documents: one ulp of each
+weight, summed in quadrature (``docs/step-norms.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
+from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim.testing.oracle import named_global_parameters
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
+
+SEED = 7
+REL = 1e-6
+QUANTITIES = ("weights", "grads", "updates", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layout: Layout
+    dist_opt: bool
+    optimizer: str = "adam"
+    clip_grad: float = 1.0
+    loss_scale: float | None = None
+    inf: bool = False  # an inf grad on every rank: the step is skipped
+
+
+CASES = {
+    "dp2-distopt": Case(Layout(2, SMALL), True),
+    "tp2-dp2-fp16opt": Case(Layout(4, SMALL, tp=2), False),
+    "tp2-dp2-distopt": Case(Layout(4, SMALL, tp=2), True),
+    "moe-ep2-distopt": Case(Layout(4, SMALL_MOE, ep=2), True),
+    "moe-ep2-fp16opt": Case(Layout(2, SMALL_MOE, ep=2), False),
+    "fp32opt-dp2": Case(Layout(2, dataclasses.replace(SMALL, bf16=False)), False),
+    "clipping-dp2-loss-scale": Case(Layout(2, SMALL), True, clip_grad=0.05, loss_scale=4.0),
+    "sgd-dp2-fp16opt": Case(Layout(2, SMALL), False, optimizer="sgd"),
+    "skipped-dp2": Case(Layout(2, SMALL), True, loss_scale=4.0, inf=True),
+}
+
+
+def _build(case: Case) -> tuple[list, Any]:
+    init_parallel(**case.layout.parallel())
+    chunks = build_model(case.layout.cfg, use_distributed_optimizer=case.dist_opt, seed=SEED)
+    extra: dict[str, Any] = dict(clip_grad=case.clip_grad, weight_decay=0.1)
+    if case.loss_scale is not None:
+        extra["loss_scale"] = case.loss_scale
+    inner = build_optimizer(
+        chunks, lr=1e-2, bf16=case.layout.cfg.bf16, optimizer=case.optimizer, **extra
+    )
+    return chunks, inner
+
+
+def _leaves(inner: Any) -> list[Any]:
+    return list(getattr(inner, "chained_optimizers", [inner]))
+
+
+def _coords(param: torch.Tensor) -> tuple[int, int]:
+    """(TP rank, DP rank) of the group that splits / replicates ``param``: megatron's getters."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "allreduce", True):  # an expert param
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank()
+    return ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(
+        with_context_parallel=True
+    )
+
+
+class Probe:
+    """Stands in for the optimizer in ``train_step``: snapshots around the real ``step()``."""
+
+    def __init__(self, optimizer: Any, inner: Any, chunks: list, inf: bool) -> None:
+        self.optimizer, self.inner, self.chunks, self.inf = optimizer, inner, chunks, inf
+        self.params = list(named_global_parameters(chunks))
+        self.sums: dict[str, list[float]] = {}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def _held(self, param: torch.Tensor) -> tuple[torch.Tensor | None, slice, bool]:
+        """This rank's fp32 main of ``param`` (or its shard), where it sits in the flat grad,
+        and whether it is a distributed-optimizer shard."""
+        distributed = False
+        for leaf in _leaves(self.inner):
+            shards = getattr(leaf, "model_param_gbuf_map", None)
+            distributed |= shards is not None
+            if shards is not None and param in shards:
+                r = leaf._get_model_param_range_map(param)["param"]
+                return getattr(param, "main_param", None), slice(r.start, r.end), True
+        if distributed:  # no local shard
+            return None, slice(0), True
+        main = getattr(param, "main_param", None)
+        if main is None and param.dtype == torch.float32:
+            main = param  # an fp32 param is its own main (Float16 and FP32 optimizers)
+        return main, slice(0, param.numel()), False
+
+    def _counts(self, param: torch.Tensor, sharded: bool) -> bool:
+        tp_rank, dp_rank = _coords(param)
+        tp_split = bool(getattr(param, "tensor_model_parallel", False))
+        return (tp_split or tp_rank == 0) and (sharded or dp_rank == 0)
+
+    def step(self) -> Any:
+        scale = float(self.optimizer.get_loss_scale())
+        if self.inf:
+            self.params[0][1].main_grad.fill_(float("inf"))
+        before = {}
+        for name, param in self.params:
+            main, where, sharded = self._held(param)
+            if main is None or not param.requires_grad:
+                continue
+            grad = param.main_grad.detach().reshape(-1)[where].double() / scale
+            before[name] = (main, main.detach().clone(), grad, sharded)
+        self.result = self.optimizer.step()
+        states = {}
+        for leaf in _leaves(self.inner):
+            if getattr(leaf, "optimizer", None) is not None:
+                states.update({id(k): v for k, v in leaf.optimizer.state.items()})
+        for name, param in self.params:
+            if name not in before:
+                continue
+            main, old, grad, sharded = before[name]
+            if not self._counts(param, sharded):
+                continue
+            new = main.detach().double()
+            state = states.get(id(main), {})
+            ulp = torch.nextafter(main.detach(), torch.tensor(math.inf)) - main.detach()
+            values = [
+                new.square().sum(),
+                grad.square().sum(),
+                (new - old.double()).square().sum(),
+                state["exp_avg"].double().square().sum() if "exp_avg" in state else 0.0,
+                state["exp_avg_sq"].double().square().sum() if "exp_avg_sq" in state else 0.0,
+                ulp.double().square().sum(),
+            ]
+            sums = self.sums.setdefault(name, [0.0] * len(values))
+            for i, v in enumerate(values):
+                sums[i] += float(v)
+        return self.result
+
+    def oracle(self) -> dict[str, list[float]]:
+        """The snapshots' sums of squares by name, over all ranks."""
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, self.sums)
+        total: dict[str, list[float]] = {}
+        for sums in gathered:
+            for name, values in sums.items():
+                acc = total.setdefault(name, [0.0] * len(values))
+                for i, v in enumerate(values):
+                    acc[i] += v
+        return total
+
+
+def _measured_run(case: Case) -> dict:
+    chunks, inner = _build(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    before = float(optimizer.param_l2_norm())
+    optimizer.measure_next_step(per_param=True)
+    probe = Probe(optimizer, inner, chunks, case.inf)
+    ok, grad_norm, _ = train_step(chunks, probe, seed=1)
+    s = optimizer.step_norms()
+    out: dict[str, Any] = {
+        "ok": ok,
+        "grad_norm": grad_norm,
+        "skipped": s.skipped,
+        "weights_before": before,
+        "oracle": probe.oracle(),
+        "has_moments": s.exp_avg is not None,
+        "ratio": {k: float(v) for k, v in (s.update_to_weight or {}).items()},
+    }
+    for q in QUANTITIES:
+        norms = getattr(s, q)
+        if norms is None:
+            continue
+        out[q] = {
+            "total": float(norms.total),
+            "dense": float(norms.dense),
+            "expert": float(norms.expert),
+            "per_param": {k: float(v) for k, v in norms.per_param.items()},
+            "per_layer": {k: float(v) for k, v in norms.per_layer.items()},
+        }
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_norms_against_the_snapshots(name: str) -> None:
+    case = CASES[name]
+    results = run_ranks(_measured_run, case.layout.world, case)
+    oracle = results[0]["oracle"]
+    for rank, got in enumerate(results):
+        assert got["oracle"] == oracle
+        assert got["skipped"] is case.inf and got["ok"] is not case.inf
+        assert got["has_moments"] is (case.optimizer == "adam")
+        for q in QUANTITIES:
+            if case.optimizer != "adam" and q.startswith("exp_avg"):
+                assert q not in got
+                continue
+            i = QUANTITIES.index(q)
+            per_param = got[q]["per_param"]
+            assert set(per_param) == set(oracle), f"rank {rank} {q}: names differ"
+            total = math.sqrt(sum(v[i] for v in oracle.values()))
+            if q == "grads" and case.inf:
+                assert not math.isfinite(got[q]["total"])
+                continue
+            if q == "updates":
+                # The derived update vs the stored difference: within one ulp of each weight.
+                bound = math.sqrt(sum(v[5] for v in oracle.values()))
+                assert abs(got[q]["total"] - total) <= bound + REL * total, (rank, q)
+                for pname, v in oracle.items():
+                    assert abs(per_param[pname] - math.sqrt(v[2])) <= math.sqrt(v[5]) + 1e-12
+                if case.inf:
+                    assert got[q]["total"] == 0.0 and total == 0.0
+                continue
+            assert got[q]["total"] == pytest.approx(total, rel=REL, abs=1e-12), (rank, q)
+            for pname, v in oracle.items():
+                assert per_param[pname] == pytest.approx(math.sqrt(v[i]), rel=REL, abs=1e-12), (
+                    rank,
+                    q,
+                    pname,
+                )
+            squares = got[q]["dense"] ** 2 + got[q]["expert"] ** 2
+            assert squares == pytest.approx(got[q]["total"] ** 2, rel=1e-9)
+        if case.inf:
+            assert got["weights"]["total"] == pytest.approx(got["weights_before"], rel=1e-12)
+        else:
+            # Megatron's own grad norm (computed when clip_grad > 0) is the grads' total.
+            assert got["grads"]["total"] == pytest.approx(got["grad_norm"], rel=REL)
+            if case.clip_grad < 1.0:
+                assert got["grad_norm"] > case.clip_grad, "the case must clip"
+            for layer, ratio in got["ratio"].items():
+                w, u = got["weights"]["per_layer"][layer], got["updates"]["per_layer"][layer]
+                assert ratio == pytest.approx(u / w, rel=1e-12)
+
+
+def _training(case: Case, armed: bool) -> dict:
+    chunks, inner = _build(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    returns = []
+    for step in range(3):
+        if armed:
+            optimizer.measure_next_step(per_param=step % 2 == 1)
+        returns.append(train_step(chunks, optimizer, seed=step))
+        if armed:
+            float(optimizer.step_norms().updates.total)
+    return {
+        "returns": returns,
+        "params": [p.detach().clone() for c in chunks for p in c.parameters()],
+        "mains": [t.detach().clone() for g in inner.param_groups for t in g["params"]],
+        "own": [sorted(vars(leaf)) for leaf in [inner, *_leaves(inner)]],
+    }
+
+
+@pytest.mark.parametrize("name", ["tp2-dp2-distopt", "moe-ep2-fp16opt"])
+def test_arming_changes_no_training_bit(name: str) -> None:
+    case = CASES[name]
+    plain = run_ranks(_training, case.layout.world, case, False)
+    armed = run_ranks(_training, case.layout.world, case, True)
+    for rank, (a, b) in enumerate(zip(plain, armed)):
+        assert a["returns"] == b["returns"], f"rank {rank}: step() returned something else"
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
+        assert all(torch.equal(x, y) for x, y in zip(a["mains"], b["mains"])), rank
+        assert a["own"] == b["own"], f"rank {rank}: the hooks left attributes behind"
+
+
+def _refused(kind: str) -> str:
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
+    if kind == "precision-aware":
+        from tests.support.precision_aware_standin import build_precision_aware_optimizer
+
+        inner = build_precision_aware_optimizer(chunks)
+    else:
+        inner = build_optimizer(chunks)
+        leaf = _leaves(inner)[0]
+        leaf.optimizer = torch.optim.RMSprop(leaf.optimizer.param_groups)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    with pytest.raises(UnsupportedOptimizerError) as error:
+        optimizer.measure_next_step()
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    "kind, words", [("precision-aware", "precision-aware"), ("rmsprop", "RMSprop")]
+)
+def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
+    (message,) = run_ranks(_refused, 1, kind)
+    assert words in message and "step norms" in message
+
+
+def _not_measured() -> str:
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
+    optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+    train_step(chunks, optimizer)
+    try:
+        optimizer.step_norms()
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return str(error)
+    return "no error"
+
+
+def test_step_norms_without_an_armed_step_is_an_error() -> None:
+    assert "measure_next_step" in run_ranks(_not_measured, 1)[0]
