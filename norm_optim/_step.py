@@ -25,7 +25,11 @@ import torch
 from ._comm import Done, Work
 from ._errors import NormOptimError
 from ._megatron.step_state import StepState, read_step_state
+from ._kernels import SumOfSquaresPlan
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
+
+# Elements of derived updates summed per kernel plan (fp32: 256 KiB alive at once).
+UPDATE_BATCH = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,20 +179,42 @@ class StepMeasurement:
         return self.reducer.local_squares(grads, self.per_param)
 
     def _update_squares(self) -> torch.Tensor:
-        """Sums of squares of the derived updates, piece by bounded piece (float64 pieces: a
-        float64 dot product of at most ``UPDATE_PIECE`` elements is exact enough, and needs no
-        plan); zero for a skipped step."""
+        """Sums of squares of the derived updates (zero for a skipped step).
+
+        The pieces the adapter derives are summed by the same kernels as everything else, a
+        batch of about ``UPDATE_BATCH`` elements per one-shot plan: the batch is all the update
+        memory alive at once, whatever the model size.
+        """
         reducer, per_param = self.reducer, self.per_param
+        if not self._stepped:
+            return torch.zeros(
+                reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
+            )
         squares = torch.zeros(
             reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
         )
-        if self._stepped:
-            slots = reducer.counted_slots(per_param)
-            for record, slot in zip(self._counted, slots):
-                if record.source.is_frozen:
-                    continue
-                for piece in self.state.update_pieces(record.tensor, record.name):  # type: ignore[arg-type]
-                    squares[slot] += torch.dot(piece, piece).to(squares.device)
+        pieces: list[torch.Tensor] = []
+        slots: list[int] = []
+
+        def flush() -> None:
+            plan = SumOfSquaresPlan(pieces, slots, len(squares), out_device=reducer.device)
+            squares.add_(plan())
+            pieces.clear()
+            slots.clear()
+
+        batch = 0
+        for record, slot in zip(self._counted, reducer.counted_slots(per_param)):
+            if record.source.is_frozen:
+                continue
+            for piece in self.state.update_pieces(record.tensor, record.name):  # type: ignore[arg-type]
+                pieces.append(piece)
+                slots.append(slot)
+                batch += piece.numel()
+                if batch >= UPDATE_BATCH:
+                    flush()
+                    batch = 0
+        if pieces:
+            flush()
         return reducer.fold(squares) if per_param else squares
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
+from norm_optim import NormAwareOptimizer, TorchCommunicator, UnsupportedOptimizerError
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
@@ -55,12 +55,19 @@ CASES = {
     "clipping-dp2-loss-scale": Case(Layout(2, SMALL), True, clip_grad=0.05, loss_scale=4.0),
     "sgd-dp2-fp16opt": Case(Layout(2, SMALL), False, optimizer="sgd"),
     "skipped-dp2": Case(Layout(2, SMALL), True, loss_scale=4.0, inf=True),
+    "dp4-2instances": Case(Layout(4, SMALL, instances=2), True),
 }
 
 
 def _build(case: Case) -> tuple[list, Any]:
     init_parallel(**case.layout.parallel())
-    chunks = build_model(case.layout.cfg, use_distributed_optimizer=case.dist_opt, seed=SEED)
+    instances = case.layout.instances
+    chunks = build_model(
+        case.layout.cfg,
+        use_distributed_optimizer=case.dist_opt,
+        seed=SEED,
+        **({"num_distributed_optimizer_instances": instances} if instances > 1 else {}),
+    )
     extra: dict[str, Any] = dict(clip_grad=case.clip_grad, weight_decay=0.1)
     if case.loss_scale is not None:
         extra["loss_scale"] = case.loss_scale
@@ -114,9 +121,14 @@ class Probe:
         return main, slice(0, param.numel()), False
 
     def _counts(self, param: torch.Tensor, sharded: bool) -> bool:
+        from megatron.core import parallel_state as ps
+
         tp_rank, dp_rank = _coords(param)
         tp_split = bool(getattr(param, "tensor_model_parallel", False))
-        return (tp_split or tp_rank == 0) and (sharded or dp_rank == 0)
+        # Several distributed-optimizer instances each hold every shard: global rank 0's counts.
+        group = ps.get_intra_distributed_optimizer_instance_group()
+        first = 0 in torch.distributed.get_process_group_ranks(group)
+        return (tp_split or tp_rank == 0) and (sharded and first or dp_rank == 0)
 
     def step(self) -> Any:
         scale = float(self.optimizer.get_loss_scale())
@@ -169,17 +181,31 @@ class Probe:
         return total
 
 
+class CountingCommunicator(TorchCommunicator):
+    """Counts norm_optim's all-reduces."""
+
+    all_reduces = 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
+        self.all_reduces += 1
+        return super().all_reduce_sum(tensor, group, async_op)
+
+
 def _measured_run(case: Case) -> dict:
     chunks, inner = _build(case)
-    optimizer = NormAwareOptimizer(inner, model=chunks)
+    comm = CountingCommunicator()
+    optimizer = NormAwareOptimizer(inner, model=chunks, comm=comm)
     train_step(chunks, optimizer, seed=0)
     before = float(optimizer.param_l2_norm())
     optimizer.measure_next_step(per_param=True)
     probe = Probe(optimizer, inner, chunks, case.inf)
+    reduces = comm.all_reduces
     ok, grad_norm, _ = train_step(chunks, probe, seed=1)
     s = optimizer.step_norms()
+    reduces = comm.all_reduces - reduces
     out: dict[str, Any] = {
         "ok": ok,
+        "all_reduces": reduces,
         "grad_norm": grad_norm,
         "skipped": s.skipped,
         "weights_before": before,
@@ -209,6 +235,7 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
     for rank, got in enumerate(results):
         assert got["oracle"] == oracle
         assert got["skipped"] is case.inf and got["ok"] is not case.inf
+        assert got["all_reduces"] == 1, "one all-reduce for every quantity of the step"
         assert got["has_moments"] is (case.optimizer == "adam")
         for q in QUANTITIES:
             if case.optimizer != "adam" and q.startswith("exp_avg"):
@@ -282,12 +309,19 @@ def test_arming_changes_no_training_bit(name: str) -> None:
 
 
 def _refused(kind: str) -> str:
+    from tests import test_optimizer_kinds as kinds
+
     init_parallel()
-    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
+    chunks = build_model(SMALL, use_distributed_optimizer=kind != "layer-wise", seed=SEED)
     if kind == "precision-aware":
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
+    elif kind == "hybrid-offload":
+        with kinds._main_params_declared_on_device():
+            inner = kinds._hybrid(chunks, precision_aware=False)
+    elif kind == "layer-wise":
+        inner = kinds._layer_wise(chunks)
     else:
         inner = build_optimizer(chunks)
         leaf = _leaves(inner)[0]
@@ -299,7 +333,13 @@ def _refused(kind: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind, words", [("precision-aware", "precision-aware"), ("rmsprop", "RMSprop")]
+    "kind, words",
+    [
+        ("precision-aware", "precision-aware"),
+        ("hybrid-offload", "HybridDeviceOptimizer"),
+        ("layer-wise", "LayerWiseDistributedOptimizer"),
+        ("rmsprop", "RMSprop"),
+    ],
 )
 def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
     (message,) = run_ranks(_refused, 1, kind)

@@ -32,8 +32,8 @@ from .fsdp_v2 import is_megatron_fsdp_v2
 from .holdings import leaves
 from .mimo import is_mimo
 
-# Elements per piece of the derived update: three float64 temporaries of this size (768 KiB)
-# are all an armed step allocates for it, whatever the tensor sizes.
+# Elements per piece of the derived update (fp32: 128 KiB): with its two temporaries, the most
+# the derivation allocates at once, whatever the tensor sizes.
 UPDATE_PIECE = 1 << 15
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
@@ -102,8 +102,9 @@ class StepState:
         return entry.state.get("exp_avg"), entry.state.get("exp_avg_sq")
 
     def update_pieces(self, tensor: torch.Tensor, name: str) -> Iterator[torch.Tensor]:
-        """``θ_after − θ_before`` of ``tensor`` as float64 pieces of at most ``UPDATE_PIECE``
-        elements, derived from the post-step state (see the module docstring).
+        """``θ_after − θ_before`` of ``tensor`` as fp32 pieces of at most ``UPDATE_PIECE``
+        elements, derived from the post-step state (see the module docstring): the ops of
+        torch's own rule, in fp32 like it, so each element is within an ulp of the update.
 
         Call it right after the step, before anything else changes the tensor, its state or its
         param group's hyper-parameters (a scheduler's ``lr``).
@@ -126,15 +127,15 @@ class StepState:
             v = v.reshape(-1)
             for start in range(0, flat.numel(), UPDATE_PIECE):
                 end = min(start + UPDATE_PIECE, flat.numel())
-                # u = step_size · m / (√v / √bc2 + eps): what the step subtracted.
-                u = v[start:end].double().sqrt_().div_(bias2_sqrt).add_(eps)
-                u = torch.div(m[start:end].double(), u, out=u).mul_(step_size)
+                # u = step_size · m / (√v / √bc2 + eps) is what the step subtracted; with
+                # decoupled decay θ_a = θ_b·(1 − lr·wd) − u, so Δ = −(u + lr·wd·θ_a) / (1 − lr·wd).
+                # (torch.optim.Adam's L2 decay is inside the moments already: Δ = −u.)
+                keep = 1 - lr * wd if decoupled else 1.0
+                d = v[start:end].sqrt().div_(bias2_sqrt).add_(eps)
+                d = torch.div(m[start:end], d, out=d).mul_(-step_size / keep)
                 if decoupled and wd:
-                    # θ_a = θ_b·(1 − lr·wd) − u, so Δ = −(lr·wd·θ_a + u) / (1 − lr·wd).
-                    theta = flat[start:end].double().mul_(lr * wd)
-                    yield theta.add_(u).div_(-(1 - lr * wd))
-                else:  # torch.optim.Adam's L2 decay is inside the moments already
-                    yield u.neg_()
+                    d.add_(flat[start:end], alpha=-lr * wd / keep)
+                yield d
         else:
             buf = state.get("momentum_buffer")
             grad = tensor.grad
@@ -142,12 +143,11 @@ class StepState:
             for start in range(0, flat.numel(), UPDATE_PIECE):
                 end = min(start + UPDATE_PIECE, flat.numel())
                 if buf is not None:  # Δ = −lr · buf (decay and maximize are inside it)
-                    yield buf.reshape(-1)[start:end].double().mul_(-lr)
+                    yield buf.reshape(-1)[start:end].mul(-lr)
                 elif grad is not None:
                     # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
-                    g = grad.reshape(-1)[start:end].double().mul_(sign)
-                    theta = flat[start:end].double().mul_(wd)
-                    yield theta.add_(g).mul_(-lr / (1 - lr * wd))
+                    g = grad.reshape(-1)[start:end].mul(sign)
+                    yield g.add_(flat[start:end], alpha=wd).mul_(-lr / (1 - lr * wd))
 
 
 def read_step_state(optimizer: Any) -> StepState:
