@@ -142,6 +142,7 @@ class NormAwareOptimizer:
         self._state.armed = StepMeasurement(
             self._current_reducer(), self._state.optimizer, per_param
         )
+        self._state.measured = None  # step_norms() now waits for this step, never an older one
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's ``step``: same arguments, same return value, same training.
@@ -153,6 +154,9 @@ class NormAwareOptimizer:
         measurement, state.armed = state.armed, None
         if measurement is None:
             return state.optimizer.step(*args, **kwargs)
+        reducer = self._current_reducer()
+        if reducer is not measurement.reducer:  # tensors replaced since arming (a load)
+            measurement = StepMeasurement(reducer, state.optimizer, measurement.per_param)
         with measurement.around():
             result = state.optimizer.step(*args, **kwargs)
         with torch.no_grad():
