@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from norm_optim import NormAwareOptimizer, TorchCommunicator, UnsupportedOptimizerError
+from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
@@ -311,9 +312,23 @@ def test_arming_changes_no_training_bit(name: str) -> None:
 def _refused(kind: str) -> str:
     from tests import test_optimizer_kinds as kinds
 
+    if kind == "torch-fsdp2":
+        from norm_optim.testing.torch_fsdp2 import build_native_fsdp2
+
+        model, inner, _ = build_native_fsdp2((torch.distributed.get_world_size(),))
+        with pytest.raises(UnsupportedOptimizerError) as error:
+            NormAwareOptimizer(inner, model=model).measure_next_step()
+        return str(error.value)
     init_parallel()
-    chunks = build_model(SMALL, use_distributed_optimizer=kind != "layer-wise", seed=SEED)
-    if kind == "precision-aware":
+    if kind == "megatron-fsdp":
+        from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+        chunks = build_fsdp_model(SMALL)
+    else:
+        chunks = build_model(SMALL, use_distributed_optimizer=kind != "layer-wise", seed=SEED)
+    if kind == "megatron-fsdp":
+        inner = build_optimizer(chunks)
+    elif kind == "precision-aware":
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
@@ -339,11 +354,20 @@ def _refused(kind: str) -> str:
         ("hybrid-offload", "HybridDeviceOptimizer"),
         ("layer-wise", "LayerWiseDistributedOptimizer"),
         ("rmsprop", "RMSprop"),
+        pytest.param(
+            "megatron-fsdp",
+            "Megatron-FSDP",
+            marks=pytest.mark.skipif(
+                not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15 here"
+            ),
+        ),
+        ("torch-fsdp2", "DTensor"),
     ],
 )
 def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
-    (message,) = run_ranks(_refused, 1, kind)
-    assert words in message and "step norms" in message
+    world = 2 if kind in ("megatron-fsdp", "torch-fsdp2") else 1
+    messages = run_ranks(_refused, world, kind)
+    assert all(words in message and "step norms" in message for message in messages), messages
 
 
 def _not_measured() -> str:
