@@ -173,7 +173,7 @@ class StepMeasurement:
 
     def _grad_squares(self) -> torch.Tensor:
         grads = [
-            StepState.grad(r.tensor) if not r.source.is_frozen else None  # type: ignore[arg-type]
+            self.state.grad(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
             for r in self._counted
         ]
         return self.reducer.local_squares(grads, self.per_param)

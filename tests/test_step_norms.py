@@ -279,6 +279,142 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
                 assert ratio == pytest.approx(u / w, rel=1e-12)
 
 
+def _native_fsdp2(mesh_shape: tuple[int, ...]) -> dict:
+    """torch-native ``fully_shard`` with ``torch.optim.AdamW``: the same snapshots, of the
+    DTensors' local shards, each counted once by the test's rule (coordinate 0 of every
+    ``Replicate`` mesh axis)."""
+    from torch.distributed.tensor import Replicate
+
+    from norm_optim.testing.torch_fsdp2 import build_native_fsdp2, native_train_step
+
+    model, inner, _ = build_native_fsdp2(mesh_shape)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    native_train_step(model, optimizer, 0)  # Adam state exists
+    sums: dict[str, list[float]] = {}
+
+    class NativeProbe:
+        def zero_grad(self) -> None:
+            optimizer.zero_grad()
+
+        def step(self) -> None:
+            params = dict(model.named_parameters())
+            before = {
+                n: (p._local_tensor.clone(), p.grad._local_tensor.clone())
+                for n, p in params.items()
+            }
+            optimizer.step()
+            for name, p in params.items():
+                coordinate = p.device_mesh.get_coordinate()
+                if any(
+                    type(pl) is Replicate and coordinate[i] for i, pl in enumerate(p.placements)
+                ):
+                    continue
+                old, grad = before[name]
+                new, state = p._local_tensor.double(), inner.state[p]
+                ulp = torch.nextafter(p._local_tensor, torch.tensor(math.inf)) - p._local_tensor
+                sums[name] = [
+                    float(new.square().sum()),
+                    float(grad.double().square().sum()),
+                    float((new - old.double()).square().sum()),
+                    float(state["exp_avg"]._local_tensor.double().square().sum()),
+                    float(state["exp_avg_sq"]._local_tensor.double().square().sum()),
+                    float(ulp.double().square().sum()),
+                ]
+
+    optimizer.measure_next_step(per_param=True)
+    native_train_step(model, NativeProbe(), 1)  # type: ignore[arg-type]
+    s = optimizer.step_norms()
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, sums)
+    oracle = [math.fsum(g[n][i] for g in gathered for n in g) for i in range(6)]
+    return {
+        "got": [float(getattr(s, q).total) for q in QUANTITIES],
+        "oracle": [math.sqrt(v) for v in oracle],
+        "skipped": s.skipped,
+    }
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=["fsdp2-dp2", "hsdp-2x2"])
+def test_torch_native_fsdp2(mesh: tuple[int, ...]) -> None:
+    for result in run_ranks(_native_fsdp2, math.prod(mesh), mesh):
+        got, oracle = result["got"], result["oracle"]
+        assert not result["skipped"]
+        for i, q in enumerate(QUANTITIES):
+            if q == "updates":
+                assert abs(got[i] - oracle[i]) <= oracle[5] + REL * oracle[i], (q, got, oracle)
+            else:
+                assert got[i] == pytest.approx(oracle[i], rel=REL), q
+
+
+def _megatron_fsdp2() -> dict:
+    """Megatron's ``TorchFullyShardedDataParallel`` (``--use-torch-fsdp2``) with its Float16
+    optimizer: the grads' total against megatron's grad norm, the rest against snapshots of the
+    inner optimizer's fp32 DTensors (all ``Shard`` placements on DP2: each local shard counts)."""
+    from torch.distributed.tensor import Shard
+
+    from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
+
+    init_parallel()
+    chunks = build_torch_fsdp2_model(dataclasses.replace(SMALL, tie_embeddings=False), seed=3)
+    inner = build_optimizer(chunks, lr=1e-2)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    assert all(all(type(pl) is Shard for pl in p.placements) for p in mains)
+    before = [p._local_tensor.clone() for p in mains]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    local = [
+        math.fsum(float(p._local_tensor.double().square().sum()) for p in mains),
+        math.fsum(
+            float((p._local_tensor.double() - b.double()).square().sum())
+            for p, b in zip(mains, before)
+        ),
+        math.fsum(
+            float(
+                inner.chained_optimizers[0]
+                .optimizer.state[p]["exp_avg_sq"]
+                ._local_tensor.double()
+                .square()
+                .sum()
+            )
+            for p in mains
+        ),
+        math.fsum(
+            float(
+                (torch.nextafter(p._local_tensor, torch.tensor(math.inf)) - p._local_tensor)
+                .double()
+                .square()
+                .sum()
+            )
+            for p in mains
+        ),
+    ]
+    total = torch.tensor(local, dtype=torch.float64)
+    torch.distributed.all_reduce(total)
+    return {
+        "grad_norm": grad_norm,
+        "got": [float(s.grads.total), float(s.weights.total), float(s.updates.total)],
+        "exp_avg_sq": float(s.exp_avg_sq.total),  # type: ignore[union-attr]
+        "oracle": total.sqrt().tolist(),
+    }
+
+
+@pytest.mark.skipif(
+    not megatron_at_least(0, 19),
+    reason="TorchFullyShardedDataParallel trains on CPU ranks since megatron-core 0.19 here",
+)
+def test_megatron_torch_fsdp2() -> None:
+    for result in run_ranks(_megatron_fsdp2, 2):
+        grads, weights, updates = result["got"]
+        w, u, v, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert weights == pytest.approx(w, rel=REL)
+        assert result["exp_avg_sq"] == pytest.approx(v, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
@@ -312,13 +448,6 @@ def test_arming_changes_no_training_bit(name: str) -> None:
 def _refused(kind: str) -> str:
     from tests import test_optimizer_kinds as kinds
 
-    if kind == "torch-fsdp2":
-        from norm_optim.testing.torch_fsdp2 import build_native_fsdp2
-
-        model, inner, _ = build_native_fsdp2((torch.distributed.get_world_size(),))
-        with pytest.raises(UnsupportedOptimizerError) as error:
-            NormAwareOptimizer(inner, model=model).measure_next_step()
-        return str(error.value)
     init_parallel()
     if kind == "megatron-fsdp":
         from norm_optim.testing.megatron_fsdp import build_fsdp_model
@@ -361,11 +490,10 @@ def _refused(kind: str) -> str:
                 not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15 here"
             ),
         ),
-        ("torch-fsdp2", "DTensor"),
     ],
 )
 def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
-    world = 2 if kind in ("megatron-fsdp", "torch-fsdp2") else 1
+    world = 2 if kind == "megatron-fsdp" else 1
     messages = run_ranks(_refused, world, kind)
     assert all(words in message and "step norms" in message for message in messages), messages
 

@@ -45,13 +45,19 @@ class _Entry:
 
     group: dict
     states: Any  # the inner optimizer's ``state``: read with ``get`` (a defaultdict)
-    param: torch.Tensor
+    param: torch.Tensor  # what the inner optimizer steps (a DTensor under torch FSDP2)
     kind: str  # "adam" or "sgd"
 
     @property
     def state(self) -> dict:
-        """This tensor's state now (empty before its first step); never creates an entry."""
-        return self.states.get(self.param) or {}
+        """This tensor's state now (empty before its first step), DTensors as their local
+        shards; never creates an entry."""
+        return {k: _local(v) for k, v in (self.states.get(self.param) or {}).items()}
+
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        grad = self.param.grad
+        return None if grad is None else _local(grad)
 
 
 class StepState:
@@ -89,10 +95,10 @@ class StepState:
                 "torch.optim.SGD with nesterov=True: its update is not derived by norm_optim"
             )
 
-    @staticmethod
-    def grad(tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        """The grad the step reads for ``tensor`` (Megatron writes it onto the fp32 main)."""
-        return tensor.grad
+    def grad(self, tensor: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+        """The grad the step reads for ``tensor`` (Megatron writes it onto the fp32 main; a
+        DTensor param's grad is a DTensor of the same placements: its local shard)."""
+        return self._entry(tensor, name).grad
 
     def moments(self, tensor: torch.Tensor, name: str) -> tuple[Optional[torch.Tensor], ...]:
         """``(exp_avg, exp_avg_sq)`` of an Adam-stepped tensor (None where there is no state)."""
@@ -138,7 +144,7 @@ class StepState:
                 yield d
         else:
             buf = state.get("momentum_buffer")
-            grad = tensor.grad
+            grad = entry.grad
             sign = -1.0 if group.get("maximize", False) else 1.0
             for start in range(0, flat.numel(), UPDATE_PIECE):
                 end = min(start + UPDATE_PIECE, flat.numel())
@@ -171,12 +177,9 @@ def read_step_state(optimizer: Any) -> StepState:
         has_moments |= kind == "adam"
         for group in inner.param_groups:
             for param in group["params"]:
-                if _is_dtensor(param):
-                    raise UnsupportedOptimizerError(
-                        f"{type(inner).__name__} over DTensor params (torch FSDP2): step norms "
-                        "do not read DTensor grads yet"
-                    )
-                entries[id(param)] = _Entry(group, inner.state, param, kind)
+                # Under torch FSDP2 the registry holds a DTensor's local shard (the same object
+                # as its _local_tensor), and the grad and the state are DTensors alike.
+                entries[id(_local(param))] = _Entry(group, inner.state, param, kind)
     return StepState(entries, has_moments)
 
 
@@ -225,6 +228,7 @@ def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
         )
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def _local(tensor: Any) -> Any:
+    """A DTensor's local shard (the same object the registry holds); any other value as is."""
     # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
-    return hasattr(tensor, "_local_tensor")
+    return getattr(tensor, "_local_tensor", tensor)
