@@ -18,6 +18,7 @@ weight, summed in quadrature (``docs/step-norms.md``).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from typing import Any
 
@@ -415,6 +416,55 @@ def test_megatron_torch_fsdp2() -> None:
         assert abs(updates - u) <= ulp + REL * u
 
 
+def _layer_wise_adam() -> dict:
+    """``LayerWiseDistributedOptimizer`` with Adam leaves (as ``get_megatron_muon_optimizer``
+    chains them): each param is stepped whole on one DP rank, so the snapshots of every rank's
+    leaves, summed over ranks, are the oracle."""
+    from tests import test_optimizer_kinds as kinds
+
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=False, seed=SEED)
+    inner = kinds._layer_wise(chunks)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    leaves = [leaf for leaf in _leaves(inner) if getattr(leaf, "optimizer", None) is not None]
+    mains = [p for leaf in leaves for g in leaf.optimizer.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in mains]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
+    local = torch.tensor(
+        [
+            math.fsum(float(p.double().square().sum()) for p in mains),
+            math.fsum(
+                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
+            ),
+            math.fsum(float(states[id(p)]["exp_avg"].double().square().sum()) for p in mains),
+            math.fsum(
+                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+                for p in mains
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(local)
+    return {
+        "grad_norm": grad_norm,
+        "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
+        "oracle": local.sqrt().tolist(),
+    }
+
+
+def test_layer_wise_optimizer_with_adam_leaves() -> None:
+    for result in run_ranks(_layer_wise_adam, 2):
+        grads, updates, exp_avg = result["got"]
+        w, u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
@@ -454,7 +504,7 @@ def _refused(kind: str) -> str:
 
         chunks = build_fsdp_model(SMALL)
     else:
-        chunks = build_model(SMALL, use_distributed_optimizer=kind != "layer-wise", seed=SEED)
+        chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon", seed=SEED)
     if kind == "megatron-fsdp":
         inner = build_optimizer(chunks)
     elif kind == "precision-aware":
@@ -464,8 +514,8 @@ def _refused(kind: str) -> str:
     elif kind == "hybrid-offload":
         with kinds._main_params_declared_on_device():
             inner = kinds._hybrid(chunks, precision_aware=False)
-    elif kind == "layer-wise":
-        inner = kinds._layer_wise(chunks)
+    elif kind == "muon":
+        inner = build_optimizer(chunks, optimizer="muon")
     else:
         inner = build_optimizer(chunks)
         leaf = _leaves(inner)[0]
@@ -481,7 +531,15 @@ def _refused(kind: str) -> str:
     [
         ("precision-aware", "precision-aware"),
         ("hybrid-offload", "HybridDeviceOptimizer"),
-        ("layer-wise", "LayerWiseDistributedOptimizer"),
+        pytest.param(
+            "muon",
+            "Muon",
+            marks=pytest.mark.skipif(
+                not (megatron_at_least(0, 19) and importlib.util.find_spec("emerging_optimizers")),
+                reason="Muon in get_megatron_optimizer needs megatron-core >= 0.19 and "
+                "emerging-optimizers",
+            ),
+        ),
         ("rmsprop", "RMSprop"),
         pytest.param(
             "megatron-fsdp",

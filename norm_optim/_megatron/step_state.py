@@ -13,7 +13,8 @@ that no copy of the weights is ever kept (the issue's memory bound): torch's Ada
 keep every term of their rule in their state and param groups. The derivation is exact math on
 the stored values; the difference the step *stored* also carries the fp32 rounding of
 ``θ_after``, so the two differ by at most about one ulp of each weight (see docs/step-norms.md).
-A rule this module does not know (TE's / apex's FusedAdam, Muon, ...) is refused by name.
+A rule this module does not know (TE's / apex's FusedAdam, Muon, ...) is refused by name; a
+``LayerWiseDistributedOptimizer`` is read through its leaves (Adam leaves are exact).
 """
 
 from __future__ import annotations
@@ -196,12 +197,8 @@ def _refuse_containers(optimizer: Any, version: str) -> None:
             version,
             "its grads and main weights live in Megatron-FSDP's buffers, not read yet",
         )
-    if hasattr(optimizer, "dp_cp_params_list"):
-        raise _refuse(
-            "LayerWiseDistributedOptimizer (Muon and the emerging optimizers)",
-            version,
-            "their update rule (orthogonalized momentum) is not derived by norm_optim",
-        )
+    # A LayerWiseDistributedOptimizer is read through its leaves: each steps its assigned params
+    # whole, with Adam (exact) or Muon / the emerging optimizers (refused by class below).
 
 
 def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
@@ -223,8 +220,9 @@ def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
         raise _refuse(
             inner_name,
             version,
-            "its update rule is not one norm_optim derives (torch.optim.Adam, AdamW, SGD); "
-            "TE's and apex's FusedAdam are not read yet",
+            "its update rule is not one norm_optim derives (torch.optim.Adam, AdamW, SGD): "
+            "Muon and the emerging optimizers (orthogonalized momentum), TE's and apex's "
+            "FusedAdam are not read yet",
         )
 
 
