@@ -252,24 +252,33 @@ class NormReducer:
         return [EXPERT if r.expert else DENSE for r in self.registry.counted]
 
     def local_squares(
-        self, tensors: Sequence[Optional[torch.Tensor]], per_param: bool = False
+        self, *quantities: Sequence[Optional[torch.Tensor]], per_param: bool = False
     ) -> torch.Tensor:
         """This rank's sums of squares of other tensors of the counted params (their grads, their
-        optimizer state): ``tensors[i]`` belongs to ``registry.counted[i]`` (None: nothing).
+        optimizer state), one vector per quantity, concatenated: ``quantity[i]`` belongs to
+        ``registry.counted[i]`` (None: nothing).
 
-        A plan built for this call (these tensors may be new objects at every step), with the
-        same slots as the weights' and the same kernels.
+        One plan built for this call (these tensors may be new objects at every step) over all
+        the quantities, with the weights' slots (offset per quantity) and the same kernels.
         """
-        slots = self.counted_slots(per_param)
-        kept = [(t, s) for t, s in zip(tensors, slots) if t is not None]
+        slots, n = self.counted_slots(per_param), self.num_slots(per_param)
+        kept = [
+            (t, q * n + s)
+            for q, tensors in enumerate(quantities)
+            for t, s in zip(tensors, slots)
+            if t is not None
+        ]
         plan = SumOfSquaresPlan(
             [t for t, _ in kept],
             [s for _, s in kept],
-            num_slots=self.num_slots(per_param),
+            num_slots=n * len(quantities),
             out_device=self.device,
         )
         squares = plan()
-        return self.fold(squares) if per_param else squares
+        if per_param:
+            for part in squares.split(n):
+                self.fold(part)
+        return squares
 
     def fold(self, squares: torch.Tensor) -> torch.Tensor:
         """Add the per-param slots into the dense and expert slots, in place (before the reduce,

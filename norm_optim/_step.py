@@ -28,8 +28,8 @@ from ._megatron.step_state import StepState, read_step_state
 from ._kernels import SumOfSquaresPlan
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
 
-# Elements of derived updates summed per kernel plan (fp32: 256 KiB alive at once).
-UPDATE_BATCH = 1 << 16
+# Elements of derived updates summed per kernel plan (fp32: 128 KiB alive at once).
+UPDATE_BATCH = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +163,8 @@ class StepMeasurement:
                 state.moments(r.tensor, r.name) if not r.source.is_frozen else (None, None)  # type: ignore[arg-type]
                 for r in records
             ]
-            parts.append(reducer.local_squares([m for m, _ in moments], per_param))
-            parts.append(reducer.local_squares([v for _, v in moments], per_param))
+            exp_avg, exp_avg_sq = ([m[i] for m in moments] for i in (0, 1))
+            parts.append(reducer.local_squares(exp_avg, exp_avg_sq, per_param=per_param))
         packet = torch.cat(parts)
         work = reducer.comm.all_reduce_sum(packet, reducer.group, True)
         return PendingStepNorms(
@@ -176,7 +176,7 @@ class StepMeasurement:
             self.state.grad(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
             for r in self._counted
         ]
-        return self.reducer.local_squares(grads, self.per_param)
+        return self.reducer.local_squares(grads, per_param=self.per_param)
 
     def _update_squares(self) -> torch.Tensor:
         """Sums of squares of the derived updates (zero for a skipped step).

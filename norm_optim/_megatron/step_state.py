@@ -33,9 +33,9 @@ from .fsdp_v2 import is_megatron_fsdp_v2
 from .holdings import leaves
 from .mimo import is_mimo
 
-# Elements per piece of the derived update (fp32: 128 KiB): with its two temporaries, the most
+# Elements per piece of the derived update (fp32: 64 KiB): with its temporaries, the most
 # the derivation allocates at once, whatever the tensor sizes.
-UPDATE_PIECE = 1 << 15
+UPDATE_PIECE = 1 << 14
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -137,12 +137,15 @@ class StepState:
                 # u = step_size · m / (√v / √bc2 + eps) is what the step subtracted; with
                 # decoupled decay θ_a = θ_b·(1 − lr·wd) − u, so Δ = −(u + lr·wd·θ_a) / (1 − lr·wd).
                 # (torch.optim.Adam's L2 decay is inside the moments already: Δ = −u.)
+                # Written as c·m / (√v + eps·√bc2) + c'·θ_a: four element-wise ops per piece.
                 keep = 1 - lr * wd if decoupled else 1.0
-                d = v[start:end].sqrt().div_(bias2_sqrt).add_(eps)
-                d = torch.div(m[start:end], d, out=d).mul_(-step_size / keep)
+                scale = -step_size * bias2_sqrt / keep
+                denom = v[start:end].sqrt().add_(eps * bias2_sqrt)
                 if decoupled and wd:
-                    d.add_(flat[start:end], alpha=-lr * wd / keep)
-                yield d
+                    delta = torch.mul(flat[start:end], -lr * wd / keep)
+                    yield delta.addcdiv_(m[start:end], denom, value=scale)
+                else:
+                    yield torch.div(m[start:end], denom, out=denom).mul_(scale)
         else:
             buf = state.get("momentum_buffer")
             grad = entry.grad
