@@ -45,6 +45,7 @@ class Case:
     clip_grad: float = 1.0
     loss_scale: float | None = None
     inf: bool = False  # an inf grad on every rank: the step is skipped
+    momentum: float | None = None  # SGD's (megatron's default: 0.9)
 
 
 CASES = {
@@ -56,6 +57,7 @@ CASES = {
     "fp32opt-dp2": Case(Layout(2, dataclasses.replace(SMALL, bf16=False)), False),
     "clipping-dp2-loss-scale": Case(Layout(2, SMALL), True, clip_grad=0.05, loss_scale=4.0),
     "sgd-dp2-fp16opt": Case(Layout(2, SMALL), False, optimizer="sgd"),
+    "sgd-no-momentum-dp2": Case(Layout(2, SMALL), False, optimizer="sgd", momentum=0.0),
     "skipped-dp2": Case(Layout(2, SMALL), True, loss_scale=4.0, inf=True),
     "dp4-2instances": Case(Layout(4, SMALL, instances=2), True),
 }
@@ -73,6 +75,8 @@ def _build(case: Case) -> tuple[list, Any]:
     extra: dict[str, Any] = dict(clip_grad=case.clip_grad, weight_decay=0.1)
     if case.loss_scale is not None:
         extra["loss_scale"] = case.loss_scale
+    if case.momentum is not None:
+        extra["sgd_momentum"] = case.momentum
     inner = build_optimizer(
         chunks, lr=1e-2, bf16=case.layout.cfg.bf16, optimizer=case.optimizer, **extra
     )

@@ -118,12 +118,12 @@ class StepState:
         """
         entry = self._entry(tensor, name)
         group, state = entry.group, entry.state
-        if not state:  # never stepped: no update
-            return
         lr = float(group["lr"])
         wd = float(group.get("weight_decay", 0.0))
         flat = tensor.detach().reshape(-1)
         if entry.kind == "adam":
+            if not state:  # never stepped (no grad yet): no update
+                return
             beta1, beta2 = (float(b) for b in group["betas"])
             step = float(state["step"])
             bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
@@ -147,6 +147,7 @@ class StepState:
                 else:
                     yield torch.div(m[start:end], denom, out=denom).mul_(scale)
         else:
+            # SGD without momentum keeps no state: a tensor with a grad was stepped.
             buf = state.get("momentum_buffer")
             grad = entry.grad
             sign = -1.0 if group.get("maximize", False) else 1.0
