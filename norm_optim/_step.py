@@ -1,30 +1,25 @@
 """Step norms: what one armed ``step()`` saw and did, per param and layer, in one all-reduce.
 
-:class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer. Megatron clips the
-grads in place inside ``step()``, between ``prepare_grads()`` (copy to the fp32 mains, unscale,
-found-inf check) and ``step_with_ready_grads()`` (the inner step); every megatron-core release
-from 0.14 to main calls both through ``self``, so for this one step the measurement sets them as
-attributes of the optimizer instance (removed after it): the grads' sums of squares are taken
-right after ``prepare_grads()`` returns, before any clipping, and a call of
-``step_with_ready_grads()`` is what says the step was not skipped. After the step, the weights,
-the updates (derived from the optimizer's state: :mod:`norm_optim._megatron.step_state`) and the
-Adam moments are summed over the same slots, and the five vectors travel as one packet.
+:class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer: the adapter's
+:func:`~norm_optim._megatron.step_state.step_hooks` calls it back once the grads are ready
+(unscaled, before Megatron clips them in place) and when the step is taken (a skipped step never
+is). After the step, the weights, the updates (derived from the optimizer's state:
+:mod:`norm_optim._megatron.step_state`) and the Adam moments are summed over the same slots, and
+the five vectors travel as one packet.
 
 An unarmed step never reaches this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
 from ._comm import Done, Work
 from ._errors import NormOptimError
-from ._megatron.step_state import StepState, read_step_state
+from ._megatron.step_state import StepState, read_step_state, step_hooks
 from ._kernels import SumOfSquaresPlan
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
 
@@ -118,35 +113,16 @@ class StepMeasurement:
         self._grads: Optional[torch.Tensor] = None
         self._stepped = False
 
-    @contextlib.contextmanager
-    def around(self) -> Iterator[None]:
-        """The step runs inside: grads are summed after ``prepare_grads()``, and a call of
-        ``step_with_ready_grads()`` marks the step as taken. A plain torch optimizer has neither:
-        its grads are summed now and its step is never skipped."""
-        optimizer = self.optimizer
-        if not hasattr(optimizer, "prepare_grads"):
+    def around(self) -> ContextManager[None]:
+        """The step runs inside (:func:`~norm_optim._megatron.step_state.step_hooks`)."""
+
+        def grads_ready() -> None:
             self._grads = self._grad_squares()
+
+        def step_taken() -> None:
             self._stepped = True
-            yield
-            return
 
-        def prepare_grads(*args: Any, **kwargs: Any) -> Any:
-            found_inf = original_prepare(*args, **kwargs)
-            self._grads = self._grad_squares()
-            return found_inf
-
-        def step_with_ready_grads(*args: Any, **kwargs: Any) -> Any:
-            self._stepped = True
-            return original_step(*args, **kwargs)
-
-        original_prepare = optimizer.prepare_grads
-        original_step = optimizer.step_with_ready_grads
-        with _instance_attributes(
-            optimizer,
-            prepare_grads=prepare_grads,
-            step_with_ready_grads=step_with_ready_grads,
-        ):
-            yield
+        return step_hooks(self.optimizer, grads_ready, step_taken)
 
     def launch(self) -> PendingStepNorms:
         """After the step: the local sums of every quantity, then one all-reduce of them all."""
@@ -216,21 +192,3 @@ class StepMeasurement:
         if pieces:
             flush()
         return reducer.fold(squares) if per_param else squares
-
-
-@contextlib.contextmanager
-def _instance_attributes(target: Any, **values: Callable[..., Any]) -> Iterator[None]:
-    """Set attributes on one instance for the ``with`` block, then remove them (or put back
-    what the instance itself had): nothing of ours is left on the optimizer."""
-    own = vars(target)
-    saved = {name: own[name] for name in values if name in own}
-    for name, value in values.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name in values:
-            if name in saved:
-                setattr(target, name, saved[name])
-            else:
-                delattr(target, name)

@@ -6,7 +6,9 @@ data for the tensors the registry already holds (its records' ``tensor``):
 - :func:`read_step_state` checks, before the step, that every leaf is a kind whose step it can
   read exactly, and refuses the others by name (never a number);
 - :class:`StepState` maps each fp32 main (or shard) to its inner torch optimizer's param group
-  and state, and gives its grad, its moments and its update.
+  and state, and gives its grad, its moments and its update;
+- :func:`step_hooks` says, during one ``step()``, when the grads are ready (before clipping) and
+  whether the step was taken.
 
 The update ``θ_after − θ_before`` is *derived* from what the optimizer holds after the step, so
 that no copy of the weights is ever kept (the issue's memory bound): torch's Adam / AdamW and SGD
@@ -19,10 +21,11 @@ A rule this module does not know (TE's / apex's FusedAdam, Muon, ...) is refused
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -234,3 +237,60 @@ def _local(tensor: Any) -> Any:
     """A DTensor's local shard (the same object the registry holds); any other value as is."""
     # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
     return getattr(tensor, "_local_tensor", tensor)
+
+
+@contextlib.contextmanager
+def step_hooks(
+    optimizer: Any, grads_ready: Callable[[], None], step_taken: Callable[[], None]
+) -> Iterator[None]:
+    """Run one ``optimizer.step()`` inside: ``grads_ready()`` once the grads are on the fp32
+    mains, unscaled and not yet clipped; ``step_taken()`` when the step is applied.
+
+    Megatron clips the grads in place inside ``step()``, between ``prepare_grads()`` (copy to
+    the fp32 mains, unscale, found-inf check) and the clipping; ``step_with_ready_grads()`` (the
+    inner step) is never called for a skipped step (found-inf; on megatron-core main also a
+    grad-norm threshold). Every megatron-core release from 0.14 to main calls both through
+    ``self`` (``MegatronOptimizer.step``, ``ChainedOptimizer.step``, and the layer-wise
+    optimizer, a chained one), so for this one step they are set as attributes of the optimizer
+    instance, and removed after it. A plain torch optimizer has neither: its grads are ready
+    before its ``step()`` (no clipping inside) and its step is never skipped.
+    """
+    if not hasattr(optimizer, "prepare_grads"):
+        grads_ready()
+        step_taken()
+        yield
+        return
+    original_prepare = optimizer.prepare_grads
+    original_step = optimizer.step_with_ready_grads
+
+    def prepare_grads(*args: Any, **kwargs: Any) -> Any:
+        found_inf = original_prepare(*args, **kwargs)
+        grads_ready()
+        return found_inf
+
+    def step_with_ready_grads(*args: Any, **kwargs: Any) -> Any:
+        step_taken()
+        return original_step(*args, **kwargs)
+
+    with _instance_attributes(
+        optimizer, prepare_grads=prepare_grads, step_with_ready_grads=step_with_ready_grads
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _instance_attributes(target: Any, **values: Callable[..., Any]) -> Iterator[None]:
+    """Set attributes on one instance for the ``with`` block, then remove them (or put back
+    what the instance itself had): nothing of ours is left on the optimizer."""
+    own = vars(target)
+    saved = {name: own[name] for name in values if name in own}
+    for name, value in values.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in saved:
+                setattr(target, name, saved[name])
+            else:
+                delattr(target, name)
