@@ -574,3 +574,31 @@ def _not_measured() -> str:
 
 def test_step_norms_without_an_armed_step_is_an_error() -> None:
     assert "measure_next_step" in run_ranks(_not_measured, 1)[0]
+
+
+def test_a_param_without_grad_is_not_stepped() -> None:
+    """torch skips a param whose grad is None although it has Adam state from earlier steps:
+    its update is zero, not one derived from stale moments (one process, plain AdamW)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model[1](torch.randn(2, 8)).sum().backward()  # the first layer gets no grad
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.measure_next_step(per_param=True)
+    optimizer.step()
+    s = optimizer.step_norms()
+    moved = [(p.detach() - b).double().square().sum() for p, b in zip(model.parameters(), before)]
+    assert float(moved[0]) == 0.0 and float(s.updates.per_param["0.weight"]) == 0.0
+    expected = math.sqrt(float(sum(moved)))
+    ulp = math.sqrt(
+        sum(
+            float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+            for p in model.parameters()
+        )
+    )
+    assert abs(float(s.updates.total) - expected) <= ulp
+    assert float(s.grads.per_param["0.weight"]) == 0.0 and float(s.grads.total) > 0

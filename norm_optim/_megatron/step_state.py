@@ -113,19 +113,22 @@ class StepState:
 
     def update_pieces(self, tensor: torch.Tensor, name: str) -> Iterator[torch.Tensor]:
         """``θ_after − θ_before`` of ``tensor`` as fp32 pieces of at most ``UPDATE_PIECE``
-        elements, derived from the post-step state (see the module docstring): the ops of
-        torch's own rule, in fp32 like it, so each element is within an ulp of the update.
+        elements, derived from the post-step state (see the module docstring): the rule's math
+        in fp32, as torch's step computes it, so each element is within an ulp of the update.
+        A tensor without a grad was not stepped (torch skips it): no pieces.
 
         Call it right after the step, before anything else changes the tensor, its state or its
         param group's hyper-parameters (a scheduler's ``lr``).
         """
         entry = self._entry(tensor, name)
-        group, state = entry.group, entry.state
+        group, state, grad = entry.group, entry.state, entry.grad
+        if grad is None:
+            return
         lr = float(group["lr"])
         wd = float(group.get("weight_decay", 0.0))
         flat = tensor.detach().reshape(-1)
         if entry.kind == "adam":
-            if not state:  # never stepped (no grad yet): no update
+            if not state:  # not stepped yet
                 return
             beta1, beta2 = (float(b) for b in group["betas"])
             step = float(state["step"])
@@ -152,13 +155,12 @@ class StepState:
         else:
             # SGD without momentum keeps no state: a tensor with a grad was stepped.
             buf = state.get("momentum_buffer")
-            grad = entry.grad
             sign = -1.0 if group.get("maximize", False) else 1.0
             for start in range(0, flat.numel(), UPDATE_PIECE):
                 end = min(start + UPDATE_PIECE, flat.numel())
                 if buf is not None:  # Δ = −lr · buf (decay and maximize are inside it)
                     yield buf.reshape(-1)[start:end].mul(-lr)
-                elif grad is not None:
+                else:
                     # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
                     g = grad.reshape(-1)[start:end].mul(sign)
                     yield g.add_(flat[start:end], alpha=wd).mul_(-lr / (1 - lr * wd))
