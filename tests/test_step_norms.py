@@ -30,7 +30,7 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
-from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.layouts import DENSE, SMALL, SMALL_MOE, Layout
 
 SEED = 7
 REL = 1e-6
@@ -60,6 +60,8 @@ CASES = {
     "sgd-no-momentum-dp2": Case(Layout(2, SMALL), False, optimizer="sgd", momentum=0.0),
     "skipped-dp2": Case(Layout(2, SMALL), True, loss_scale=4.0, inf=True),
     "dp4-2instances": Case(Layout(4, SMALL, instances=2), True),
+    "tp2-pp2-tied-distopt": Case(Layout(4, SMALL, tp=2, pp=2), True),
+    "pp2-vpp2-dp2-fp16opt": Case(Layout(4, DENSE, pp=2, vpp=2), False),
 }
 
 
@@ -129,6 +131,8 @@ class Probe:
     def _counts(self, param: torch.Tensor, sharded: bool) -> bool:
         from megatron.core import parallel_state as ps
 
+        if getattr(param, "shared", False):  # the last stage's copy of a tied embedding
+            return False
         tp_rank, dp_rank = _coords(param)
         tp_split = bool(getattr(param, "tensor_model_parallel", False))
         # Several distributed-optimizer instances each hold every shard: global rank 0's counts.
