@@ -464,6 +464,10 @@ def _layer_wise_adam() -> dict:
     }
 
 
+@pytest.mark.skipif(
+    not megatron_at_least(0, 16),
+    reason="LayerWiseDistributedOptimizer exists since megatron-core 0.16",
+)
 def test_layer_wise_optimizer_with_adam_leaves() -> None:
     for result in run_ranks(_layer_wise_adam, 2):
         grads, updates, exp_avg = result["got"]
