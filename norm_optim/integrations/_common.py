@@ -340,15 +340,12 @@ class LoopIntegration:
             )
         return DeferredParamsNorm(self.calc_params_l2_norm_path)
 
-    def _arm_step(self, iteration: int, arguments: Mapping[str, Any]) -> None:
-        """Before the optimizer step whose ``training_log`` call will get ``iteration``: arm it
-        (every rank alike) when that log reads the norms (``install(step_norms=True)``)."""
+    def _arm_step(self, iteration: int, reads: Callable[[bool], bool]) -> None:
+        """Before the optimizer step whose ``training_log`` call logs ``iteration``: arm it when
+        ``reads(first)`` says that log reads the norms (every rank alike; ``first``: this is the
+        run's first step). Only with ``install(step_norms=True)``."""
         first, self._first_step = self._first_step, False
-        if not self._log.step_norms or self.optimizer is None:
-            return
-        if self._reads_params_norm(
-            {**arguments, "iteration": iteration, "is_first_iteration": first}
-        ):
+        if self._log.step_norms and self.optimizer is not None and reads(first):
             self.optimizer.measure_next_step(per_param=self._log.per_param)
             self._armed_iteration = iteration
 
@@ -362,8 +359,8 @@ class LoopIntegration:
                 norms = self._log.read(self.optimizer)  # every rank: one all-reduce
             bound.arguments["params_norm"] = self._log.value(norms)
         step: Optional[StepNorms] = None
-        if self._armed_iteration is not None and self._armed_iteration == bound.arguments.get(
-            "iteration"
+        if self._armed_iteration is not None and self._armed_iteration == self._log_iteration(
+            bound.arguments
         ):
             assert self.optimizer is not None
             self._armed_iteration = None
@@ -387,6 +384,11 @@ class LoopIntegration:
         return result
 
     # ------------------------------------------------------------ what each loop says
+
+    def _log_iteration(self, arguments: Mapping[str, Any]) -> Optional[int]:
+        """The iteration this ``training_log`` call logs."""
+        value: Optional[int] = arguments.get("iteration")
+        return value
 
     def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
         """Whether this ``training_log`` call prints or writes ``params_norm``: the same answer

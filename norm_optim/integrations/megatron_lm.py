@@ -125,7 +125,9 @@ class MegatronLMIntegration(LoopIntegration):
 
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
         # The loop sets args.curr_iteration, runs train_step, then logs iteration + 1.
-        self._arm_step(_global_vars().get_args().curr_iteration + 1, {})
+        loop_args = _global_vars().get_args()
+        iteration = loop_args.curr_iteration + 1
+        self._arm_step(iteration, lambda first: log_reads_params_norm(loop_args, iteration, first))
         return self._originals["train_step"](*args, **kwargs)
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
