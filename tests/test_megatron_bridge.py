@@ -606,6 +606,35 @@ def test_plot_of_a_real_run(tmp_path: Path) -> None:
     assert data.relative_layers()[0][0] == 1.0 and len(set(data.relative_layers()[0])) > 1
 
 
+def test_plot_of_a_run_with_step_norms(tmp_path: Path) -> None:
+    """With ``install(step_norms=True, per_param=True)`` the plot also draws the per-layer grads,
+    updates and update-to-weight ratios, exactly as logged, in a PNG of the same size."""
+    pytest.importorskip("matplotlib")
+    from norm_optim import plot
+
+    iterations = 3
+    config = tiny_config(
+        world_size=2,
+        train_iters=iterations,
+        lr=1e-2,
+        num_experts=4,
+        ep=2,
+        tensorboard_dir=str(tmp_path / "tb"),
+    )
+    run_pretrain(config, 2, before=_install_step_norms)
+    out = tmp_path / "norms.png"
+    assert plot.main([str(tmp_path / "tb"), "-o", str(out)]) == 0
+    assert out.is_file() and _png_size(out) == plot.SIZE
+    logged = _scalars(tmp_path / "tb")
+    data = plot.load_norms(tmp_path / "tb")
+    steps = list(range(1, iterations + 1))
+    assert set(data.step_layers) == set(plot.STEP_LAYER_TAGS)
+    for prefix, layers in data.step_layers.items():
+        assert set(layers) == {"0", "1"}
+        for layer, values in layers.items():
+            assert values == [logged[prefix + layer][s] for s in steps], (prefix, layer)
+
+
 def test_plot_refuses_a_run_without_per_param_norms(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from norm_optim import plot
