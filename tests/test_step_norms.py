@@ -568,6 +568,28 @@ def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None
     assert all(words in message and "step norms" in message for message in messages), messages
 
 
+def _mimo_refused() -> str:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from norm_optim.testing.mimo import MimoLayout, ModuleGrid, build_mimo_model
+
+    model = build_mimo_model(MimoLayout(2, ModuleGrid(0), ModuleGrid(1)), seed=3)
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16)
+    optimizer = NormAwareOptimizer(get_megatron_optimizer(config, [model]), model=model)
+    with pytest.raises(UnsupportedOptimizerError) as error:
+        optimizer.measure_next_step()
+    return str(error.value)
+
+
+def test_mimo_is_refused_by_name() -> None:
+    from norm_optim.testing.mimo import has_mimo
+
+    if not has_mimo():
+        pytest.skip("this megatron-core has no MimoOptimizer (the test kit builds MIMO on 0.19+)")
+    for message in run_ranks(_mimo_refused, 2):
+        assert "MimoOptimizer" in message and "step norms" in message
+
+
 def _not_measured() -> str:
     init_parallel()
     chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
