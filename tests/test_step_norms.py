@@ -477,6 +477,79 @@ def test_layer_wise_optimizer_with_adam_leaves() -> None:
         assert abs(updates - u) <= ulp + REL * u
 
 
+def _megatron_fsdp(moe: bool) -> dict:
+    """Megatron-FSDP v1 (``optim_grads_params``): its optimizer steps DTensors whose local shards
+    view its fp32 buffers; every placement is ``Shard`` here (DP2, or EP2 with expert-DP 1), so
+    each rank's local shards, summed over ranks, are the oracle."""
+    from torch.distributed.tensor import Shard
+
+    from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+    init_parallel(ep=2 if moe else 1)
+    chunks = build_fsdp_model(SMALL_MOE if moe else SMALL, seed=3)
+    inner = build_optimizer(chunks, lr=1e-2)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    assert all(all(type(pl) is Shard for pl in p.placements) for p in mains)
+    local = [p._local_tensor for p in mains]
+    before = [t.clone() for t in local]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    states = {id(k): v for leaf in _leaves(inner) for k, v in leaf.optimizer.state.items()}
+    sums = torch.tensor(
+        [
+            math.fsum(
+                float((t.double() - b.double()).square().sum()) for t, b in zip(local, before)
+            ),
+            math.fsum(  # a rank whose shard of a param is empty keeps no state for it
+                float(states[id(p)]["exp_avg"]._local_tensor.double().square().sum())
+                for p in mains
+                if id(p) in states
+            ),
+            math.fsum(
+                float((torch.nextafter(t, torch.tensor(math.inf)) - t).double().square().sum())
+                for t in local
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(sums)
+    return {
+        "grad_norm": grad_norm,
+        "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
+        "oracle": sums.sqrt().tolist(),
+    }
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        pytest.param(False, id="dense-dp2"),
+        pytest.param(
+            True,
+            id="moe-ep2",
+            marks=pytest.mark.skipif(
+                megatron_at_least(0, 15) and not megatron_at_least(0, 16),
+                reason="Megatron-FSDP of megatron-core 0.15 cannot build a model with experts",
+            ),
+        ),
+    ],
+)
+@pytest.mark.skipif(
+    not megatron_at_least(0, 15),
+    reason="Megatron-FSDP of megatron-core 0.14 does not build with this torch",
+)
+def test_megatron_fsdp(moe: bool) -> None:
+    for result in run_ranks(_megatron_fsdp, 2, moe):
+        grads, updates, exp_avg = result["got"]
+        u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
@@ -511,14 +584,14 @@ def _refused(kind: str) -> str:
     from tests import test_optimizer_kinds as kinds
 
     init_parallel()
-    if kind == "megatron-fsdp":
+    if kind == "megatron-fsdp-v2":
         from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
-        chunks = build_fsdp_model(SMALL)
+        chunks = build_fsdp_model(SMALL, version=2)
     else:
         chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon", seed=SEED)
-    if kind == "megatron-fsdp":
-        inner = build_optimizer(chunks)
+    if kind == "megatron-fsdp-v2":
+        inner = build_optimizer(chunks, use_distributed_optimizer=False)
     elif kind == "precision-aware":
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
@@ -554,16 +627,16 @@ def _refused(kind: str) -> str:
         ),
         ("rmsprop", "RMSprop"),
         pytest.param(
-            "megatron-fsdp",
-            "Megatron-FSDP",
+            "megatron-fsdp-v2",
+            "Megatron-FSDP v2",
             marks=pytest.mark.skipif(
-                not megatron_at_least(0, 15), reason="Megatron-FSDP builds since 0.15 here"
+                not megatron_at_least(0, 20), reason="Megatron-FSDP v2 exists on megatron-core main"
             ),
         ),
     ],
 )
 def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
-    world = 2 if kind == "megatron-fsdp" else 1
+    world = 2 if kind == "megatron-fsdp-v2" else 1
     messages = run_ranks(_refused, world, kind)
     assert all(words in message and "step norms" in message for message in messages), messages
 

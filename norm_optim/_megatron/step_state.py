@@ -31,7 +31,6 @@ import torch
 
 from .._errors import UnsupportedOptimizerError
 from .._versions import megatron_core_version_string
-from .fsdp import is_megatron_fsdp
 from .fsdp_v2 import is_megatron_fsdp_v2
 from .holdings import leaves
 from .mimo import is_mimo
@@ -200,11 +199,14 @@ def _refuse(what: str, version: str, why: str) -> UnsupportedOptimizerError:
 def _refuse_containers(optimizer: Any, version: str) -> None:
     if is_mimo(optimizer):
         raise _refuse("MimoOptimizer", version, "not read yet; param_l2_norms() serves it")
-    if is_megatron_fsdp_v2(optimizer) or is_megatron_fsdp(optimizer):
+    # Megatron-FSDP v1 steps DTensors whose local shards are the registry's fp32 views of its
+    # buffers, with DTensor grads: read like torch FSDP2. v2's FullyShardedOptimizer steps
+    # slices of its parameter groups' flat buffers, not read yet.
+    if is_megatron_fsdp_v2(optimizer):
         raise _refuse(
-            "Megatron-FSDP optimizer",
+            "Megatron-FSDP v2 optimizer (FullyShardedOptimizer)",
             version,
-            "its grads and main weights live in Megatron-FSDP's buffers, not read yet",
+            "its grads and main weights are slices of its flat buffers, not read yet",
         )
     # A LayerWiseDistributedOptimizer is read through its leaves: each steps its assigned params
     # whole, with Adam (exact) or Muon / the emerging optimizers (refused by class below).
