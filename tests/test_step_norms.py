@@ -641,26 +641,69 @@ def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None
     assert all(words in message and "step norms" in message for message in messages), messages
 
 
-def _mimo_refused() -> str:
+def _mimo() -> dict:
+    """A real ``MimoModel`` (encoder on rank 0, language model on rank 1, each its own grid and
+    Float16 optimizer): each rank's mains are whole and its own, so their snapshots summed over
+    ranks are the oracle; ``clip_grad=0`` leaves the grads as the step read them."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from norm_optim.testing.mimo import MimoLayout, ModuleGrid, build_mimo_model
+    from norm_optim.testing.mimo import MimoLayout, ModuleGrid, build_mimo_model, mimo_modules
 
     model = build_mimo_model(MimoLayout(2, ModuleGrid(0), ModuleGrid(1)), seed=3)
-    config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16)
-    optimizer = NormAwareOptimizer(get_megatron_optimizer(config, [model]), model=model)
-    with pytest.raises(UnsupportedOptimizerError) as error:
-        optimizer.measure_next_step()
-    return str(error.value)
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0
+    )
+    inner = get_megatron_optimizer(config, [model])
+    optimizer = NormAwareOptimizer(inner, model=model)
+    active = [i.optimizer for i in inner.module_infos.values() if i.is_active and i.optimizer]
+    leaves = [leaf for member in active for leaf in _leaves(member)]
+    mains = [p for leaf in leaves for g in leaf.optimizer.param_groups for p in g["params"]]
+
+    def step(seed: int) -> None:
+        # Random grads in DDP's grad buffers, then the real MimoOptimizer.step() (as test_mimo).
+        generator = torch.Generator().manual_seed(seed)
+        for _, module, _ in mimo_modules(model):
+            for param in module.parameters():
+                if param.requires_grad:
+                    param.main_grad.copy_(torch.randn(param.shape, generator=generator))
+        assert optimizer.step()[0]
+
+    step(0)
+    before = [p.detach().clone() for p in mains]
+    optimizer.measure_next_step()
+    step(1)
+    s = optimizer.step_norms()
+    states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
+    sums = torch.tensor(
+        [
+            math.fsum(float(p.grad.double().square().sum()) for p in mains),
+            math.fsum(
+                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
+            ),
+            math.fsum(float(states[id(p)]["exp_avg"].double().square().sum()) for p in mains),
+            math.fsum(
+                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+                for p in mains
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(sums)
+    got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
+    return {"got": got, "oracle": sums.sqrt().tolist()}
 
 
-def test_mimo_is_refused_by_name() -> None:
+def test_mimo() -> None:
     from norm_optim.testing.mimo import has_mimo
 
     if not has_mimo():
         pytest.skip("this megatron-core has no MimoOptimizer (the test kit builds MIMO on 0.19+)")
-    for message in run_ranks(_mimo_refused, 2):
-        assert "MimoOptimizer" in message and "step norms" in message
+    for result in run_ranks(_mimo, 2):
+        grads, updates, exp_avg = result["got"]
+        g, u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(g, rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
 
 
 def _not_measured() -> str:

@@ -173,7 +173,17 @@ def read_step_state(optimizer: Any) -> StepState:
     _refuse_containers(optimizer, version)
     entries: dict[int, _Entry] = {}
     has_moments = False
-    for leaf in leaves(optimizer):
+    members = [optimizer]
+    if is_mimo(optimizer):
+        # A MimoOptimizer steps its active modules' optimizers through its own prepare_grads /
+        # step_with_ready_grads; a rank may run none of them: its config says the kind.
+        members = [
+            info.optimizer
+            for info in optimizer.module_infos.values()
+            if info.is_active and info.optimizer is not None
+        ]
+        has_moments = getattr(optimizer.config, "optimizer", "adam") == "adam"
+    for leaf in (leaf for member in members for leaf in leaves(member)):
         inner = (
             leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
         )
@@ -197,8 +207,6 @@ def _refuse(what: str, version: str, why: str) -> UnsupportedOptimizerError:
 
 
 def _refuse_containers(optimizer: Any, version: str) -> None:
-    if is_mimo(optimizer):
-        raise _refuse("MimoOptimizer", version, "not read yet; param_l2_norms() serves it")
     # Megatron-FSDP v1 steps DTensors whose local shards are the registry's fp32 views of its
     # buffers, with DTensor grads: read like torch FSDP2. v2's FullyShardedOptimizer steps
     # slices of its parameter groups' flat buffers, not read yet.
