@@ -550,6 +550,56 @@ def test_megatron_fsdp(moe: bool) -> None:
         assert abs(updates - u) <= ulp + REL * u
 
 
+def _hybrid_offload() -> dict:
+    """``HybridDeviceOptimizer`` (CPU offload of the distributed optimizer's fp32 shards, built
+    as test_optimizer_kinds builds it on CPU): its AdamW sub-optimizers step copies of the
+    shards and copy them back; the shards' snapshots and its state are the oracle."""
+    from tests import test_optimizer_kinds as kinds
+
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
+    with kinds._main_params_declared_on_device():
+        inner = kinds._hybrid(chunks, precision_aware=False)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    hybrid = inner.chained_optimizers[0].optimizer
+    assert type(hybrid).__name__ == "HybridDeviceOptimizer"
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in mains]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    sums = torch.tensor(
+        [
+            math.fsum(
+                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
+            ),
+            math.fsum(
+                float(hybrid.state[p]["exp_avg"].double().square().sum())
+                for p in mains
+                if p in hybrid.state
+            ),
+            math.fsum(
+                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+                for p in mains
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(sums)
+    got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
+    return {"grad_norm": grad_norm, "got": got, "oracle": sums.sqrt().tolist()}
+
+
+def test_hybrid_device_optimizer() -> None:
+    for result in run_ranks(_hybrid_offload, 2):
+        grads, updates, exp_avg = result["got"]
+        u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
@@ -581,8 +631,6 @@ def test_arming_changes_no_training_bit(name: str) -> None:
 
 
 def _refused(kind: str) -> str:
-    from tests import test_optimizer_kinds as kinds
-
     init_parallel()
     if kind == "megatron-fsdp-v2":
         from norm_optim.testing.megatron_fsdp import build_fsdp_model
@@ -596,9 +644,6 @@ def _refused(kind: str) -> str:
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
-    elif kind == "hybrid-offload":
-        with kinds._main_params_declared_on_device():
-            inner = kinds._hybrid(chunks, precision_aware=False)
     elif kind == "muon":
         inner = build_optimizer(chunks, optimizer="muon")
     else:
@@ -615,7 +660,6 @@ def _refused(kind: str) -> str:
     "kind, words",
     [
         ("precision-aware", "precision-aware"),
-        ("hybrid-offload", "HybridDeviceOptimizer"),
         pytest.param(
             "muon",
             "Muon",

@@ -47,19 +47,21 @@ class _Entry:
     """One fp32 tensor the inner torch optimizer steps: its param group and its state."""
 
     group: dict
-    states: Any  # the inner optimizer's ``state``: read with ``get`` (a defaultdict)
-    param: torch.Tensor  # what the inner optimizer steps (a DTensor under torch FSDP2)
+    optimizer: Any  # the inner torch optimizer
+    param: torch.Tensor  # what it steps (a DTensor under torch FSDP2)
     kind: str  # "adam" or "sgd"
+    grad_of: Optional[torch.Tensor] = None  # whose .grad is the step's, if not param's
 
     @property
     def state(self) -> dict:
         """This tensor's state now (empty before its first step), DTensors as their local
-        shards; never creates an entry."""
-        return {k: _local(v) for k, v in (self.states.get(self.param) or {}).items()}
+        shards; never creates an entry. ``optimizer.state`` is looked up now, not kept: an
+        optimizer may replace the whole mapping at every step (``HybridDeviceOptimizer`` does)."""
+        return {k: _local(v) for k, v in (self.optimizer.state.get(self.param) or {}).items()}
 
     @property
     def grad(self) -> Optional[torch.Tensor]:
-        grad = self.param.grad
+        grad = (self.param if self.grad_of is None else self.grad_of).grad
         return None if grad is None else _local(grad)
 
 
@@ -192,14 +194,37 @@ def read_step_state(optimizer: Any) -> StepState:
             has_moments |= getattr(config, "optimizer", "adam") == "adam"
             continue
         _refuse_leaf(leaf, inner, config, version)
-        kind = "adam" if type(inner) in _ADAM else "sgd"
-        has_moments |= kind == "adam"
-        for group in inner.param_groups:
-            for param in group["params"]:
-                # Under torch FSDP2 the registry holds a DTensor's local shard (the same object
-                # as its _local_tensor), and the grad and the state are DTensors alike.
-                entries[id(_local(param))] = _Entry(group, inner.state, param, kind)
+        for held, optimizer, group, param, grad_of in _stepped(inner):
+            kind = "sgd" if type(optimizer) is torch.optim.SGD else "adam"
+            has_moments |= kind == "adam"
+            entries[id(held)] = _Entry(group, optimizer, param, kind, grad_of)
     return StepState(entries, has_moments)
+
+
+def _stepped(
+    inner: Any,
+) -> Iterator[tuple[torch.Tensor, Any, dict, torch.Tensor, Optional[torch.Tensor]]]:
+    """(the tensor the registry holds, the torch optimizer that steps it, its param group, the
+    tensor that optimizer steps, whose ``.grad`` is the step's grad if not that tensor's) for
+    every param of ``inner``.
+
+    Under torch FSDP2 the registry holds a DTensor's local shard (the same object as its
+    ``_local_tensor``), and the grad and the state are DTensors alike. A
+    ``HybridDeviceOptimizer`` (CPU offload) steps copies of its params in sub-optimizers,
+    with their own param groups (e.g. ``decoupled_weight_decay``) and state: those are read.
+    """
+    if type(inner).__name__ == "HybridDeviceOptimizer":
+        # megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (0.14-0.20.dev)
+        for sub in inner.sub_optimizers:
+            for group in sub.param_groups:
+                for param in group["params"]:
+                    shard = inner.inner_param_to_orig_param[param]
+                    # Its grad reaches the copy only inside step(), after the clipping.
+                    yield shard, sub, group, param, shard
+        return
+    for group in inner.param_groups:
+        for param in group["params"]:
+            yield _local(param), inner, group, param, None
 
 
 def _refuse(what: str, version: str, why: str) -> UnsupportedOptimizerError:
@@ -230,11 +255,16 @@ def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
             "read yet",
         )
     if type(inner).__name__ == "HybridDeviceOptimizer":
-        raise _refuse(
-            "HybridDeviceOptimizer (CPU offload)",
-            version,
-            "its sub-optimizers step copies of the fp32 mains; not read yet",
-        )
+        # CPU offload: its sub-optimizers step copies of the fp32 shards with torch's rule and
+        # copy them back inside step(); its own param groups and state are the shards'.
+        rules = {type(sub) for sub in getattr(inner, "sub_optimizers", [])}
+        if not rules <= set(_ADAM):
+            raise _refuse(
+                "HybridDeviceOptimizer (CPU offload)",
+                version,
+                f"its sub-optimizers ({sorted(r.__name__ for r in rules)}) are not torch's Adam",
+            )
+        return
     if type(inner) not in (*_ADAM, torch.optim.SGD):
         raise _refuse(
             inner_name,
