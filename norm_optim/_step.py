@@ -162,13 +162,11 @@ class StepMeasurement:
         memory alive at once, whatever the model size.
         """
         reducer, per_param = self.reducer, self.per_param
-        if not self._stepped:
-            return torch.zeros(
-                reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
-            )
         squares = torch.zeros(
             reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
         )
+        if not self._stepped:
+            return squares
         pieces: list[torch.Tensor] = []
         slots: list[int] = []
 
