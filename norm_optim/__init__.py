@@ -17,6 +17,7 @@ from ._errors import (
 from ._norm import NamedNorms, ParamNorms, PendingNorms
 from ._ownership import RankCoords
 from ._registry import ParamRecord, ParamRegistry
+from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
 from ._vocabulary import NotCounted, Source
 from ._wrapper import NormAwareOptimizer
@@ -34,6 +35,7 @@ __all__ = [
     "PendingNorms",
     "RankCoords",
     "Source",
+    "StepNorms",
     "TorchCommunicator",
     "UnknownParamError",
     "UnsupportedOptimizerError",

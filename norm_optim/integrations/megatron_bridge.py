@@ -224,6 +224,11 @@ def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:
     Args:
         config: the optimizer config; every attribute is copied as it is (finalized or not:
             ``pretrain`` finalizes the copy as it would the original).
+        step_norms: also measure the optimizer step of every iteration whose log reads the
+            norms and write ``grads-norm`` (before clipping), ``updates-norm``, ``exp-avg-norm``,
+            ``exp-avg-sq-norm`` (with ``per_param`` also their per-param / per-layer /
+            per-expert scalars and ``update-to-weight/layer/<layer>``), as
+            :func:`norm_optim.integrations.megatron_lm.install` does.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
     """
@@ -272,12 +277,26 @@ class MegatronBridgeIntegration(LoopIntegration):
         log: ParamsNormLog,
         wrapper_options: dict[str, Any],
     ) -> None:
-        super().__init__(
-            [(setup, "setup_optimizer"), (train, "calc_params_l2_norm"), (train, "training_log")],
-            train.training_log,
-            log,
-            wrapper_options,
-        )
+        targets = [
+            (setup, "setup_optimizer"),
+            (train, "calc_params_l2_norm"),
+            (train, "training_log"),
+        ]
+        if log.step_norms:
+            targets.append((train, "train_step"))
+        super().__init__(targets, train.training_log, log, wrapper_options)
+        self._train_step_signature = inspect.signature(train.train_step)
+
+    def _train_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The loop runs train_step, then train_state.step += 1, then training_log.
+        state = self._train_step_signature.bind(*args, **kwargs).arguments["global_state"]
+        iteration = state.train_state.step + 1
+        self._arm_step(iteration, lambda first: log_reads_params_norm(state.cfg.logger, iteration))
+        return self._originals["train_step"](*args, **kwargs)
+
+    def _log_iteration(self, arguments: Mapping[str, Any]) -> Optional[int]:
+        step: int = arguments["global_state"].train_state.step
+        return step
 
     def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(optimizer_config, "provide"):
@@ -312,7 +331,11 @@ class MegatronBridgeIntegration(LoopIntegration):
 
 
 def install(
-    *, breakdown: bool = False, per_param: bool = False, **wrapper_options: Any
+    *,
+    breakdown: bool = False,
+    per_param: bool = False,
+    step_norms: bool = False,
+    **wrapper_options: Any,
 ) -> MegatronBridgeIntegration:
     """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
 
@@ -330,6 +353,11 @@ def install(
             (same single all-reduce; the names are exchanged once, at the first logged
             iteration), and end the log line with the params whose norm grew fastest since the
             previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
+        step_norms: also measure the optimizer step of every iteration whose log reads the
+            norms and write ``grads-norm`` (before clipping), ``updates-norm``, ``exp-avg-norm``,
+            ``exp-avg-sq-norm`` (with ``per_param`` also their per-param / per-layer /
+            per-expert scalars and ``update-to-weight/layer/<layer>``), as
+            :func:`norm_optim.integrations.megatron_lm.install` does.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
 
@@ -349,6 +377,10 @@ def install(
             "on the handle install() returned before installing again"
         )
     _check_hooks(setup, train)
-    return MegatronBridgeIntegration(
-        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options
-    )
+    if step_norms and not callable(getattr(train, "train_step", None)):
+        raise MegatronBridgeVersionError(
+            f"megatron.bridge.training.train of {_versions()} has no train_step: "
+            "install(step_norms=True) arms the optimizer step there"
+        )
+    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms)
+    return MegatronBridgeIntegration(setup, train, log, wrapper_options)
