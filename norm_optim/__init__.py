@@ -18,6 +18,7 @@ from ._errors import (
 from ._norm import NamedNorms, ParamNorms, PendingNorms
 from ._ownership import RankCoords
 from ._registry import ParamRecord, ParamRegistry
+from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
 from ._vocabulary import NotCounted, Source
 from ._wrapper import NormAwareOptimizer
@@ -39,6 +40,7 @@ __all__ = [
     "PendingNorms",
     "RankCoords",
     "Source",
+    "StepNorms",
     "TorchCommunicator",
     "UnknownParamError",
     "UnsupportedOptimizerError",

@@ -224,24 +224,77 @@ class NormReducer:
         if warm_up:
             PendingNorms(self._split_plan(), Done(), None).wait()
         self._per_param_plan: Optional[SumOfSquaresPlan] = None
+        self._per_param_slots: list[int] = []
         self.names = names
         self._slots: Optional[_PerParamSlots] = None
         self._kinds = torch.empty(0, dtype=torch.long)
 
     def launch(self, per_param: bool = False, async_op: bool = False) -> PendingNorms:
         """Start the sums and the single all-reduce; return a handle to the result."""
-        if per_param:
-            plan, kinds = self._per_param()
-            squares = plan()
-            # Dense and expert totals from the per-name slots, before the reduce (no second pass;
-            # into a 2-vector first: the tail is not copied).
-            squares[: EXPERT + 1] += torch.zeros_like(squares[: EXPERT + 1]).index_add_(
-                0, kinds, squares[EXPERT + 1 :]
-            )
-        else:
-            squares = self._split_plan()
+        squares = self.local_weight_squares(per_param)
         work = self.comm.all_reduce_sum(squares, self.group, async_op)
-        return PendingNorms(squares, work, self._slots if per_param else None)
+        return PendingNorms(squares, work, self.per_param_slots if per_param else None)
+
+    def local_weight_squares(self, per_param: bool = False) -> torch.Tensor:
+        """This rank's sums of squares of the weights, before the all-reduce (prebuilt plans)."""
+        if per_param:
+            return self.fold(self._per_param()[0]())
+        return self._split_plan()
+
+    def num_slots(self, per_param: bool) -> int:
+        """Length of the vector one quantity (weights, grads, ...) reduces."""
+        return self._per_param()[0].num_slots if per_param else EXPERT + 1
+
+    def counted_slots(self, per_param: bool) -> list[int]:
+        """The slot of each of ``registry.counted``, in that order: the layout every quantity
+        summed over the counted tensors shares (so that they can share one packet)."""
+        if per_param:
+            self._per_param()
+            return self._per_param_slots
+        return [EXPERT if r.expert else DENSE for r in self.registry.counted]
+
+    def local_squares(
+        self, *quantities: Sequence[Optional[torch.Tensor]], per_param: bool = False
+    ) -> torch.Tensor:
+        """This rank's sums of squares of other tensors of the counted params (their grads, their
+        optimizer state), one vector per quantity, concatenated: ``quantity[i]`` belongs to
+        ``registry.counted[i]`` (None: nothing).
+
+        One plan built for this call (these tensors may be new objects at every step) over all
+        the quantities, with the weights' slots (offset per quantity) and the same kernels.
+        """
+        slots, n = self.counted_slots(per_param), self.num_slots(per_param)
+        kept = [
+            (t, q * n + s)
+            for q, tensors in enumerate(quantities)
+            for t, s in zip(tensors, slots)
+            if t is not None
+        ]
+        plan = SumOfSquaresPlan(
+            [t for t, _ in kept],
+            [s for _, s in kept],
+            num_slots=n * len(quantities),
+            out_device=self.device,
+        )
+        squares = plan()
+        if per_param:
+            for part in squares.split(n):
+                self.fold(part)
+        return squares
+
+    def fold(self, squares: torch.Tensor) -> torch.Tensor:
+        """Add the per-param slots into the dense and expert slots, in place (before the reduce,
+        no second pass; into a 2-vector first: the tail is not copied)."""
+        _, kinds = self._per_param()
+        squares[: EXPERT + 1] += torch.zeros_like(squares[: EXPERT + 1]).index_add_(
+            0, kinds, squares[EXPERT + 1 :]
+        )
+        return squares
+
+    @property
+    def per_param_slots(self) -> Optional[_PerParamSlots]:
+        """What the per-param slots mean (None until the first per-param call builds them)."""
+        return self._slots
 
     def _per_param(self) -> tuple[SumOfSquaresPlan, torch.Tensor]:
         """Build (once) the plan with one slot per layout-independent param name.
@@ -264,9 +317,12 @@ class NormReducer:
             )
             slot = {name: EXPERT + 1 + i for name, i in index.items()}
             counted = [(r, n) for r, n in zip(records, local) if r.counted]
+            # The same records, in the same order, as registry.counted (named_records drops only
+            # records that are never counted).
+            self._per_param_slots = [slot[n] for _, n in counted]
             self._per_param_plan = SumOfSquaresPlan(
                 [r.tensor for r, _ in counted],  # type: ignore[misc]
-                [slot[n] for _, n in counted],
+                self._per_param_slots,
                 num_slots=EXPERT + 1 + len(self.names),
                 out_device=self.device,
             )

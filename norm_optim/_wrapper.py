@@ -14,11 +14,13 @@ import torch
 
 from ._audit import AuditReport, run_audit
 from ._comm import Communicator, ProcessGroup, TorchCommunicator
+from ._errors import NormOptimError
 from ._norm import NormReducer, ParamNorms, PendingNorms
 from ._megatron import audit_layout, check_reduce_group, rank_coords
 from ._ownership import RankCoords
 from ._registry import ParamRegistry
 from ._staleness import Staleness
+from ._step import PendingStepNorms, StepMeasurement, StepNorms
 from ._versions import warn_if_untested
 
 
@@ -37,6 +39,8 @@ class _State:
     staleness: Staleness
     reducer: Optional[NormReducer] = None
     names: Optional[list[tuple[str, bool]]] = None  # gathered per-param names, kept across rebuilds
+    armed: Optional[StepMeasurement] = None  # measure_next_step() was called
+    measured: Optional[PendingStepNorms] = None  # the last armed step's packet
     pg_collection: Any = None  # the audit reads its groups from it too
 
 
@@ -156,6 +160,48 @@ class NormAwareOptimizer:
             state.pg_collection,
         )
         return run_audit(registry.records, layout, state.comm, state.group)
+
+    # ---------------------------------------------------------------- step norms
+
+    @torch.no_grad()
+    def measure_next_step(self, *, per_param: bool = False) -> None:
+        """Arm the next :meth:`step`: its grads, updates and moments become :meth:`step_norms`.
+
+        Every rank must call it (the armed step makes one extra all-reduce, and a first
+        ``per_param`` call gathers the names). A kind whose step cannot be read exactly is refused
+        here, before the step, by name. A step that is not armed costs nothing.
+        """
+        self._state.armed = StepMeasurement(
+            self._current_reducer(), self._state.optimizer, per_param
+        )
+        self._state.measured = None  # step_norms() now waits for this step, never an older one
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's ``step``: same arguments, same return value, same training.
+
+        When armed by :meth:`measure_next_step`, it also reads the grads before clipping and,
+        after the step, launches the one all-reduce of :meth:`step_norms`.
+        """
+        state = self._state
+        measurement, state.armed = state.armed, None
+        if measurement is None:
+            return state.optimizer.step(*args, **kwargs)
+        reducer = self._current_reducer()
+        if reducer is not measurement.reducer:  # tensors replaced since arming (a load)
+            measurement = StepMeasurement(reducer, state.optimizer, measurement.per_param)
+        with measurement.around():
+            result = state.optimizer.step(*args, **kwargs)
+        with torch.no_grad():
+            state.measured = measurement.launch()
+        return result
+
+    def step_norms(self) -> StepNorms:
+        """The :class:`StepNorms` of the last armed step (waits for its all-reduce)."""
+        if self._state.measured is None:
+            raise NormOptimError(
+                "no step was measured: call measure_next_step() before step(), on every rank"
+            )
+        return self._state.measured.wait()
 
     @property
     def registry(self) -> ParamRegistry:

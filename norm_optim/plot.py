@@ -9,7 +9,11 @@ TensorBoard interval. This module draws them::
 - top: every layer's norm over the logged iterations, as a heatmap relative to its first logged
   value (1 = unchanged; a layer drifting away stands out as one bright row);
 - bottom: the params whose norm grew the most between the first and the last logged iteration,
-  as lines, relative to their first value.
+  as lines, relative to their first value;
+- with ``install(step_norms=True)`` (``grads-norm/layer/<layer>``, ``updates-norm/layer/<layer>``,
+  ``update-to-weight/layer/<layer>`` in the directory): beside the weights, a heatmap per
+  quantity of its per-layer value over the iterations (log colour scale: what drove the weights,
+  and the update-to-weight ratio that learning rates are tuned by).
 
 :func:`load_norms` is what gets drawn (tests compare it with the event file). Needs
 ``tensorboard`` (to read the event files) and ``matplotlib`` (to draw): the ``plot`` extra,
@@ -30,6 +34,13 @@ from ._megatron.naming import natural_key
 
 LAYER_TAG = "params-norm/layer/"
 PARAM_TAG = "params-norm/param/"
+# The per-layer step-norm scalars (install(step_norms=True, per_param=True)), drawn beside the
+# weights when present: tag prefix -> panel title.
+STEP_LAYER_TAGS = {
+    "grads-norm/layer/": "per-layer grad norm (before clipping)",
+    "updates-norm/layer/": "per-layer update norm",
+    "update-to-weight/layer/": "per-layer update / weight",
+}
 SIZE = (1200, 900)  # pixels of the PNG
 _DPI = 100
 
@@ -44,20 +55,26 @@ class PlotData:
             in their natural order (``"2"`` before ``"10"``).
         growing: the fastest-growing params (largest last / first ratio, largest first) ->
             ``(steps, norms)`` as logged.
+        step_layers: for each step-norm tag prefix of :data:`STEP_LAYER_TAGS` the run logged,
+            layer -> its value at each of ``steps`` (NaN where that step lacks it); empty for a
+            run without step norms.
     """
 
     steps: list[int]
     layers: dict[str, list[float]]
     growing: dict[str, tuple[list[int], list[float]]]
+    step_layers: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
 
     def relative_layers(self) -> list[list[float]]:
         """The heatmap: each layer's norms divided by its first logged (non-zero) value."""
         return [_relative(values) for values in self.layers.values()]
 
 
-def load_scalars(logdir: Path | str, prefix: str = "params-norm/") -> dict[str, dict[int, float]]:
-    """The scalars under ``prefix`` of every event file below ``logdir``: tag -> step -> value
-    (a step logged twice, as after a resume: the later value)."""
+def load_scalars(
+    logdir: Path | str, prefix: str | tuple[str, ...] = "params-norm/"
+) -> dict[str, dict[int, float]]:
+    """The scalars under ``prefix`` (or any of several) of every event file below ``logdir``:
+    tag -> step -> value (a step logged twice, as after a resume: the later value)."""
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
     multiplexer = EventMultiplexer(size_guidance={"scalars": 0})
@@ -79,7 +96,7 @@ def load_norms(logdir: Path | str, top_k: int = 6) -> PlotData:
         ValueError: no ``params-norm/layer/`` scalars there (was the run logged with
             ``install(per_param=True)``, and is this its TensorBoard directory?).
     """
-    scalars = load_scalars(logdir)
+    scalars = load_scalars(logdir, ("params-norm/", *STEP_LAYER_TAGS))
     layers = {
         tag[len(LAYER_TAG) :]: values
         for tag, values in scalars.items()
@@ -110,7 +127,22 @@ def load_norms(logdir: Path | str, top_k: int = 6) -> PlotData:
             name: (sorted(params[name]), [params[name][s] for s in sorted(params[name])])
             for name in fastest
         },
+        step_layers=_step_layers(scalars, steps),
     )
+
+
+def _step_layers(
+    scalars: Mapping[str, Mapping[int, float]], steps: Sequence[int]
+) -> dict[str, dict[str, list[float]]]:
+    out: dict[str, dict[str, list[float]]] = {}
+    for prefix in STEP_LAYER_TAGS:
+        found = {tag[len(prefix) :]: v for tag, v in scalars.items() if tag.startswith(prefix)}
+        if found:
+            out[prefix] = {
+                layer: [found[layer].get(step, math.nan) for step in steps]
+                for layer in sorted(found, key=natural_key)
+            }
+    return out
 
 
 def plot_norms(
@@ -123,13 +155,23 @@ def plot_norms(
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    figure, (heat, lines) = plt.subplots(
-        2,
-        1,
-        figsize=(size[0] / _DPI, size[1] / _DPI),
-        dpi=_DPI,
-        gridspec_kw={"height_ratios": [3, 2]},
-    )
+    figure = plt.figure(figsize=(size[0] / _DPI, size[1] / _DPI), dpi=_DPI)
+    panels = len(data.step_layers)
+    # Without step norms: the weights' heatmap over the growing params. With them: the weights'
+    # and each step quantity's heatmap in a grid of two columns, the lines below, full width.
+    columns = 1 if panels == 0 else 2
+    rows = math.ceil((1 + panels) / columns)
+    grid = figure.add_gridspec(rows + 1, columns, height_ratios=[3] * rows + [2])
+    heat = figure.add_subplot(grid[0, 0])
+    lines = figure.add_subplot(grid[rows, :])
+    for index, (prefix, layers) in enumerate(data.step_layers.items(), start=1):
+        _step_heatmap(
+            figure,
+            figure.add_subplot(grid[index // columns, index % columns]),
+            data.steps,
+            layers,
+            STEP_LAYER_TAGS[prefix],
+        )
     relative = data.relative_layers()
     image = heat.imshow(relative, aspect="auto", interpolation="nearest", **_colors(relative))
     heat.set_yticks(range(len(data.layers)), labels=list(data.layers))
@@ -153,6 +195,25 @@ def plot_norms(
     figure.savefig(out, dpi=_DPI)
     plt.close(figure)
     return out
+
+
+def _step_heatmap(
+    figure: Any, axes: Any, steps: Sequence[int], layers: Mapping[str, list[float]], title: str
+) -> None:
+    """One step quantity's per-layer values over the iterations, on a log colour scale."""
+    from matplotlib.colors import LogNorm
+
+    values = list(layers.values())
+    positive = [v for row in values for v in row if math.isfinite(v) and v > 0] or [1.0]
+    norm = LogNorm(vmin=min(positive), vmax=max(max(positive), min(positive) * (1 + 1e-9)))
+    image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
+    axes.set_yticks(range(len(layers)), labels=list(layers))
+    ticks = _tick_positions(len(steps))
+    axes.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
+    axes.set_ylabel("layer")
+    axes.set_xlabel("iteration")
+    axes.set_title(title)
+    figure.colorbar(image, ax=axes)
 
 
 def _colors(relative: Sequence[Sequence[float]]) -> dict[str, Any]:

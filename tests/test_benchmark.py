@@ -100,3 +100,33 @@ def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
             assert row["rel_error"] <= 1e-6
         # Reading the declarations is part of the registry build.
         assert row["declarations_s"] > 0 and row["registry_build_s"] > 0
+
+
+def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
+    """``python -m benchmarks.step_norms --quick`` runs and writes one row of the documented
+    fields (timings and memory are reported, not asserted)."""
+    out = tmp_path / "step.json"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_norms", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (row,) = json.loads(out.read_text())
+    assert set(row) == {
+        "case",
+        "numel",
+        "tensors",
+        "largest_fp32_tensor_bytes",
+        "plain_step_s",
+        "armed_step_s",
+        "armed_per_param_step_s",
+        "param_l2_norm_s",
+        "memory_method",
+        "extra_peak_bytes",
+        "bytes_read_param_l2_norm",
+        "bytes_read_armed_step",
+        "armed_over_plain",
+    }
+    assert row["bytes_read_armed_step"] == 7 * row["bytes_read_param_l2_norm"]

@@ -395,6 +395,52 @@ def test_norm_follows_training(layout: dict[str, Any], tmp_path: Path) -> None:
     assert len(set(bridge)) == iterations  # the weights did change
 
 
+def _install_step_norms() -> megatron_bridge.MegatronBridgeIntegration:
+    return megatron_bridge.install(per_param=True, step_norms=True)
+
+
+def test_step_norms(tmp_path: Path) -> None:
+    """``install(step_norms=True, per_param=True)`` on MoE EP2: at every logged step the event
+    file has ``grads-norm`` equal to Bridge's own ``grad-norm`` (TensorBoard stores float32),
+    the updates and moments, per-param grads and updates that add up to their totals, and the
+    update-to-weight ratios; the log line shows the ratio."""
+    iterations = 3
+    config = tiny_config(
+        world_size=2,
+        train_iters=iterations,
+        lr=1e-2,
+        tensorboard_dir=str(tmp_path / "tb"),
+        num_experts=4,
+        ep=2,
+    )
+    ranks = run_pretrain(config, 2, before=_install_step_norms)
+    scalars = _scalars(tmp_path / "tb")
+    for step in range(1, iterations + 1):
+        assert scalars["grads-norm"][step] == pytest.approx(scalars["grad-norm"][step], rel=1e-6)
+        for tag in ("updates-norm", "exp-avg-norm", "exp-avg-sq-norm"):
+            assert scalars[tag][step] > 0, tag
+        for quantity in ("grads-norm", "updates-norm"):
+            per_param = [v[step] for t, v in scalars.items() if t.startswith(f"{quantity}/param/")]
+            total = math.sqrt(math.fsum(x * x for x in per_param))
+            assert total == pytest.approx(scalars[quantity][step], rel=1e-5), quantity
+        ratios = {t: v[step] for t, v in scalars.items() if t.startswith("update-to-weight/")}
+        assert ratios
+        for tag, ratio in ratios.items():
+            layer = tag.rsplit("/", 1)[1]
+            updates = scalars[f"updates-norm/layer/{layer}"][step]
+            assert ratio == pytest.approx(
+                updates / scalars[f"params-norm/layer/{layer}"][step], rel=1e-5
+            )
+    logged = [line for line in ranks[-1].lines if " grad norm: " in line]
+    assert len(logged) == iterations and all(" | update/weight: " in line for line in logged)
+    # Training is the same without step norms, bit for bit.
+    config.logger.tensorboard_dir = str(tmp_path / "tb-plain")
+    run_pretrain(config, 2, before=lambda: megatron_bridge.install(per_param=True))
+    plain = _scalars(tmp_path / "tb-plain")
+    for tag in ("grad-norm", "params-norm", "lm loss"):
+        assert plain[tag] == scalars[tag], tag
+
+
 class _ReadInCallback(Callback):  # type: ignore[misc]
     def on_train_step_end(self, context: CallbackContext) -> None:
         norm = context.optimizer.param_l2_norm()  # every rank: it is a collective
@@ -558,6 +604,35 @@ def test_plot_of_a_real_run(tmp_path: Path) -> None:
     for name, (got_steps, values) in data.growing.items():
         assert got_steps == steps and values == [params[name][s] for s in steps]
     assert data.relative_layers()[0][0] == 1.0 and len(set(data.relative_layers()[0])) > 1
+
+
+def test_plot_of_a_run_with_step_norms(tmp_path: Path) -> None:
+    """With ``install(step_norms=True, per_param=True)`` the plot also draws the per-layer grads,
+    updates and update-to-weight ratios, exactly as logged, in a PNG of the same size."""
+    pytest.importorskip("matplotlib")
+    from norm_optim import plot
+
+    iterations = 3
+    config = tiny_config(
+        world_size=2,
+        train_iters=iterations,
+        lr=1e-2,
+        num_experts=4,
+        ep=2,
+        tensorboard_dir=str(tmp_path / "tb"),
+    )
+    run_pretrain(config, 2, before=_install_step_norms)
+    out = tmp_path / "norms.png"
+    assert plot.main([str(tmp_path / "tb"), "-o", str(out)]) == 0
+    assert out.is_file() and _png_size(out) == plot.SIZE
+    logged = _scalars(tmp_path / "tb")
+    data = plot.load_norms(tmp_path / "tb")
+    steps = list(range(1, iterations + 1))
+    assert set(data.step_layers) == set(plot.STEP_LAYER_TAGS)
+    for prefix, layers in data.step_layers.items():
+        assert set(layers) == {"0", "1"}
+        for layer, values in layers.items():
+            assert values == [logged[prefix + layer][s] for s in steps], (prefix, layer)
 
 
 def test_plot_refuses_a_run_without_per_param_norms(tmp_path: Path) -> None:

@@ -386,6 +386,61 @@ def test_norm_is_read_only_when_logged() -> None:
     assert {step for tag, _, step in last["scalars"] if tag.startswith("params-norm/")} == {3}
 
 
+@needs_loop
+@pytest.mark.parametrize("layout", ["dense-dp2", "moe-tp2-ep2"])
+def test_step_norms_are_logged_at_logged_iterations_only(layout: str) -> None:
+    """``install(step_norms=True, per_param=True)``: at the iterations that log (1, the first;
+    2 and 4 with ``--log-interval 2``), the step is measured (one more all-reduce, none at 3);
+    TensorBoard (interval 2) gets ``grads-norm`` equal to Megatron's own ``grad-norm``, the
+    updates and moments, their per-param / per-layer scalars and the update-to-weight ratios;
+    the log line shows the ratio; and training is bitwise the same as without step norms."""
+    world, options = LAYOUTS[layout]
+    extra = ("--tensorboard-dir", "unused-by-the-recording-writer", "--tensorboard-log-interval")
+    options = dict(options, lr=1e-2, train_iters=4, log_interval=2, extra=(*extra, "2"))
+    measured = run_ranks(
+        _run, world, options, install=dict(per_param=True, step_norms=True), fill=False
+    )
+    plain = run_ranks(_run, world, options, install=dict(per_param=True), fill=False)
+    for seen, reference in zip(measured, plain):
+        assert seen["logged"] == reference["logged"], "training changed"
+        counts = [0, *seen["all_reduces"]]
+        assert [b - a for a, b in zip(counts, counts[1:])][1:] == [2, 0, 2]
+    last, reference = _last(measured), _last(plain)
+    scalars = {(tag, step): value for tag, value, step in last["scalars"]}
+    megatron = {k: v for k, v in scalars.items() if k[0] == "grad-norm"}
+    assert megatron == {
+        (tag, step): value for tag, value, step in reference["scalars"] if tag == "grad-norm"
+    }
+    assert {step for tag, step in scalars if tag.startswith("updates-norm")} == {2, 4}
+    for step in (2, 4):
+        assert scalars[("grads-norm", step)] == pytest.approx(
+            megatron[("grad-norm", step)], rel=REL
+        )
+        for tag in ("updates-norm", "exp-avg-norm", "exp-avg-sq-norm"):
+            assert scalars[(tag, step)] > 0
+        for quantity in ("grads-norm", "updates-norm"):
+            per_param = [
+                v
+                for (t, s), v in scalars.items()
+                if s == step and t.startswith(f"{quantity}/param/")
+            ]
+            total = math.sqrt(math.fsum(v * v for v in per_param))
+            assert total == pytest.approx(scalars[(quantity, step)], rel=REL)
+        ratios = {
+            t: v for (t, s), v in scalars.items() if s == step and t.startswith("update-to-weight/")
+        }
+        assert ratios
+        for tag, ratio in ratios.items():
+            layer = tag.rsplit("/", 1)[1]
+            expected = (
+                scalars[(f"updates-norm/layer/{layer}", step)]
+                / scalars[(f"params-norm/layer/{layer}", step)]
+            )
+            assert ratio == pytest.approx(expected, rel=1e-6)
+    assert all(" | update/weight: " in line for line in last["log_lines"]), last["log_lines"]
+    assert len(last["log_lines"]) == 3
+
+
 RESUMES = {
     # The whole optimizer state is loaded (optimizer.load_state_dict).
     "float16-optimizer": (dict(use_distributed_optimizer=False), ()),

@@ -16,6 +16,7 @@ from .._audit import AuditError, AuditReport
 from .._errors import NormOptimError
 from .._moved import moved_names
 from .._norm import NamedNorms, ParamNorms
+from .._step import StepNorms
 from .._patching import Patch, PatchSet
 from .._wrapper import NormAwareOptimizer
 
@@ -133,8 +134,11 @@ class ParamsNormLog:
             log line.
     """
 
-    def __init__(self, breakdown: bool, per_param: bool, top_k: int = 3) -> None:
+    def __init__(
+        self, breakdown: bool, per_param: bool, top_k: int = 3, step_norms: bool = False
+    ) -> None:
         self.breakdown, self.per_param, self.top_k = breakdown, per_param, top_k
+        self.step_norms = step_norms
         self._previous: Optional[ParamNorms] = None
 
     @property
@@ -165,12 +169,77 @@ class ParamsNormLog:
 
     def write(self, norms: ParamNorms, iteration: int, tensorboard: Any, wandb: Any) -> None:
         """:func:`scalars` to the loop's TensorBoard / W&B writers (either may be None)."""
-        values = scalars(norms, self.breakdown)
-        if tensorboard is not None:
-            for tag, value in values.items():
-                tensorboard.add_scalar(tag, value, iteration)
-        if wandb is not None:
-            wandb.log(values, iteration)
+        write_scalars(scalars(norms, self.breakdown), iteration, tensorboard, wandb)
+
+
+def write_scalars(values: dict[str, float], iteration: int, tensorboard: Any, wandb: Any) -> None:
+    """``values`` to the loop's TensorBoard / W&B writers (either may be None)."""
+    if tensorboard is not None:
+        for tag, value in values.items():
+            tensorboard.add_scalar(tag, value, iteration)
+    if wandb is not None:
+        wandb.log(values, iteration)
+
+
+STEP_TAGS = {
+    "grads": "grads-norm",
+    "updates": "updates-norm",
+    "exp_avg": "exp-avg-norm",
+    "exp_avg_sq": "exp-avg-sq-norm",
+}
+"""The scalar of each :class:`~norm_optim.StepNorms` quantity (beside Megatron's ``grad-norm``)."""
+RATIO_TAG = "update-to-weight"
+
+
+def step_scalars(step: StepNorms, per_param: bool) -> dict[str, float]:
+    """The scalars of one measured step: each quantity's total (``grads-norm`` ...), and with
+    ``per_param`` the grads' and updates' per-param / per-layer / per-expert norms and
+    ``update-to-weight/layer/<layer>``."""
+    out: dict[str, float] = {}
+    for field, tag in STEP_TAGS.items():
+        norms: Optional[ParamNorms] = getattr(step, field)
+        if norms is None:
+            continue
+        out[tag] = float(norms.total)
+        if per_param and field in ("grads", "updates"):
+            for kind, named in (
+                ("param", norms.per_param),
+                ("layer", norms.per_layer),
+                ("expert", norms.per_expert),
+            ):
+                if named is not None:
+                    out.update(zip((f"{tag}/{kind}/{name}" for name in named), _values(named)))
+    if step.update_to_weight is not None:
+        ratios = step.update_to_weight
+        out.update(zip((f"{RATIO_TAG}/layer/{n}" for n in ratios), _values(ratios)))
+    return out
+
+
+class LoggedGradNorm(float):
+    """Megatron's grad norm (the ``float`` it logs and writes, unchanged) that also shows the
+    measured step's update-to-weight ratio in the log line:
+    `` grad norm: 1.234 | update/weight: 1.2e-03 (largest: layer 3 2.1e-03) |``."""
+
+    note: str
+
+    def __new__(cls, value: float, note: str) -> "LoggedGradNorm":
+        out = super().__new__(cls, value)
+        out.note = note
+        return out
+
+    def __format__(self, spec: str) -> str:
+        return f"{float.__format__(self, spec)} | {self.note}"
+
+
+def ratio_note(step: StepNorms) -> str:
+    """The log line's field: the total update-to-weight ratio, and the layer of the largest."""
+    note = f"update/weight: {float(step.update_to_weight_total):.2e}"
+    ratios = step.update_to_weight
+    if ratios is not None and len(ratios):
+        values = _values(ratios)
+        layer, value = max(zip(ratios, values), key=lambda kv: kv[1])
+        note += f" (largest: layer {layer} {value:.2e})"
+    return note
 
 
 AUDIT_TAG = "params-audit/findings"
@@ -376,6 +445,8 @@ class LoopIntegration:
         self.audit = audit if audit is not None else AuditSchedule(0, "warn")
         self.parity = parity
         self._log = log
+        self._armed_iteration: Optional[int] = None  # the iteration whose step is measured
+        self._first_step = True
         self._wrapper_options = wrapper_options
         self._log_signature = inspect.signature(training_log)
         self._originals = {name: getattr(module, name) for module, name in targets}
@@ -422,6 +493,15 @@ class LoopIntegration:
             )
         return DeferredParamsNorm(self.calc_params_l2_norm_path)
 
+    def _arm_step(self, iteration: int, reads: Callable[[bool], bool]) -> None:
+        """Before the optimizer step whose ``training_log`` call logs ``iteration``: arm it when
+        ``reads(first)`` says that log reads the norms (every rank alike; ``first``: this is the
+        run's first step). Only with ``install(step_norms=True)``."""
+        first, self._first_step = self._first_step, False
+        if self._log.step_norms and self.optimizer is not None and reads(first):
+            self.optimizer.measure_next_step(per_param=self._log.per_param)
+            self._armed_iteration = iteration
+
     def _training_log(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._log_signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -431,11 +511,29 @@ class LoopIntegration:
             if self._reads_params_norm(bound.arguments):
                 norms = self._log.read(self.optimizer)  # every rank: one all-reduce
             bound.arguments["params_norm"] = self._log.value(norms)
+        step: Optional[StepNorms] = None
+        if self._armed_iteration is not None and self._armed_iteration == self._log_iteration(
+            bound.arguments
+        ):
+            assert self.optimizer is not None
+            self._armed_iteration = None
+            try:
+                step = self.optimizer.step_norms()  # launched in step(): no collective here
+            except NormOptimError:  # the loop skipped the step it was armed for (a rerun)
+                step = None
+        if step is not None:
+            grad_norm = bound.arguments.get("grad_norm")
+            if isinstance(grad_norm, float):
+                bound.arguments["grad_norm"] = LoggedGradNorm(grad_norm, ratio_note(step))
         result = self._originals["training_log"](*bound.args, **bound.kwargs)
-        if norms is not None and self._log.writes_scalars:
+        writers = None
+        if (norms is not None and self._log.writes_scalars) or step is not None:
             writers = self._scalar_writers(bound.arguments)
-            if writers is not None:
+        if writers is not None:
+            if norms is not None and self._log.writes_scalars:
                 self._log.write(norms, *writers)
+            if step is not None:
+                write_scalars(step_scalars(step, self._log.per_param), *writers)
         if self.optimizer is not None:
             iteration = self._iteration(bound.arguments)
             if self.audit.due(self.optimizer, iteration):  # every rank alike
@@ -443,6 +541,11 @@ class LoopIntegration:
         return result
 
     # ------------------------------------------------------------ what each loop says
+
+    def _log_iteration(self, arguments: Mapping[str, Any]) -> Optional[int]:
+        """The iteration this ``training_log`` call logs."""
+        value: Optional[int] = arguments.get("iteration")
+        return value
 
     def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
         """Whether this ``training_log`` call prints or writes ``params_norm``: the same answer

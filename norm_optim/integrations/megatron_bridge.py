@@ -233,14 +233,11 @@ def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:
     Args:
         config: the optimizer config; every attribute is copied as it is (finalized or not:
             ``pretrain`` finalizes the copy as it would the original).
-        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
-            every ``audit_interval`` iterations and at the first iteration after each setup
-            (after any checkpoint load), after ``training_log``; write the number of findings
-            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
-            default) never audits.
-        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
-            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
-            before the bad weights are saved.
+        step_norms: also measure the optimizer step of every iteration whose log reads the
+            norms and write ``grads-norm`` (before clipping), ``updates-norm``, ``exp-avg-norm``,
+            ``exp-avg-sq-norm`` (with ``per_param`` also their per-param / per-layer /
+            per-expert scalars and ``update-to-weight/layer/<layer>``), as
+            :func:`norm_optim.integrations.megatron_lm.install` does.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
     """
@@ -296,12 +293,26 @@ class MegatronBridgeIntegration(LoopIntegration):
             (train, "calc_params_l2_norm"),
             (train, "training_log"),
         ]
+        if log.step_norms:
+            targets.append((train, "train_step"))
         if parity is not None:
             # pretrain() imported train() by name; save_checkpoint_and_time is train's own.
             from megatron.bridge.training import pretrain
 
             targets += [(pretrain, "train"), (train, "save_checkpoint_and_time")]
         super().__init__(targets, train.training_log, log, wrapper_options, audit, parity)
+        self._train_step_signature = inspect.signature(train.train_step)
+
+    def _train_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The loop runs train_step, then train_state.step += 1, then training_log.
+        state = self._train_step_signature.bind(*args, **kwargs).arguments["global_state"]
+        iteration = state.train_state.step + 1
+        self._arm_step(iteration, lambda first: log_reads_params_norm(state.cfg.logger, iteration))
+        return self._originals["train_step"](*args, **kwargs)
+
+    def _log_iteration(self, arguments: Mapping[str, Any]) -> Optional[int]:
+        step: int = arguments["global_state"].train_state.step
+        return step
 
     def _setup_optimizer(self, optimizer_config: Any, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(optimizer_config, "provide"):
@@ -369,6 +380,7 @@ def install(
     *,
     breakdown: bool = False,
     per_param: bool = False,
+    step_norms: bool = False,
     audit_interval: int = 0,
     audit_action: str = "warn",
     checkpoint_parity: bool = False,
@@ -390,6 +402,11 @@ def install(
             (same single all-reduce; the names are exchanged once, at the first logged
             iteration), and end the log line with the params whose norm grew fastest since the
             previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
+        step_norms: also measure the optimizer step of every iteration whose log reads the
+            norms and write ``grads-norm`` (before clipping), ``updates-norm``, ``exp-avg-norm``,
+            ``exp-avg-sq-norm`` (with ``per_param`` also their per-param / per-layer /
+            per-expert scalars and ``update-to-weight/layer/<layer>``), as
+            :func:`norm_optim.integrations.megatron_lm.install` does.
         audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
             every ``audit_interval`` iterations and at the first iteration after each setup
             (after any checkpoint load), after ``training_log``; write the number of findings
@@ -419,6 +436,10 @@ def install(
             "on the handle install() returned before installing again"
         )
     _check_hooks(setup, train)
-    return MegatronBridgeIntegration(
-        setup, train, ParamsNormLog(breakdown, per_param), wrapper_options, audit, parity
-    )
+    if step_norms and not callable(getattr(train, "train_step", None)):
+        raise MegatronBridgeVersionError(
+            f"megatron.bridge.training.train of {_versions()} has no train_step: "
+            "install(step_norms=True) arms the optimizer step there"
+        )
+    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms)
+    return MegatronBridgeIntegration(setup, train, log, wrapper_options, audit, parity)

@@ -77,7 +77,9 @@ def _training_module() -> ModuleType:
             f"checkout; with megatron-core alone, wrap the optimizer yourself "
             f"(NormAwareOptimizer(optimizer, model=model_chunks)). Import error: {exc}"
         ) from exc
-    missing = [name for name in _PATCHED if not callable(getattr(training, name, None))]
+    missing = [
+        name for name in (*_PATCHED, "train_step") if not callable(getattr(training, name, None))
+    ]
     if not missing:
         missing = missing_parameters("training_log", training.training_log, _TRAINING_LOG_PARAMS)
     if missing:
@@ -134,7 +136,8 @@ class MegatronLMIntegration(LoopIntegration):
         audit: Optional[AuditSchedule] = None,
         parity: Optional[CheckpointParity] = None,
     ) -> None:
-        names = _PATCHED + (("save_checkpoint",) if parity is not None else ())
+        names = _PATCHED + (("train_step",) if log.step_norms else ())
+        names += ("save_checkpoint",) if parity is not None else ()
         super().__init__(
             [(training, name) for name in names],
             training.training_log,
@@ -143,6 +146,13 @@ class MegatronLMIntegration(LoopIntegration):
             audit,
             parity,
         )
+
+    def _train_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The loop sets args.curr_iteration, runs train_step, then logs iteration + 1.
+        loop_args = _global_vars().get_args()
+        iteration = loop_args.curr_iteration + 1
+        self._arm_step(iteration, lambda first: log_reads_params_norm(loop_args, iteration, first))
+        return self._originals["train_step"](*args, **kwargs)
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         model, optimizer, scheduler = self._originals["setup_model_and_optimizer"](*args, **kwargs)
@@ -198,6 +208,7 @@ def install(
     *,
     breakdown: bool = False,
     per_param: bool = False,
+    step_norms: bool = False,
     audit_interval: int = 0,
     audit_action: str = "warn",
     checkpoint_parity: bool = False,
@@ -219,6 +230,14 @@ def install(
             (same single all-reduce; the names are exchanged once, at the first logged
             iteration), and end the log line with the params whose norm grew fastest since the
             previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
+        step_norms: also measure the optimizer step of every iteration whose log reads the
+            norms (:meth:`~norm_optim.NormAwareOptimizer.measure_next_step`; others cost
+            nothing) and write ``grads-norm`` (before clipping), ``updates-norm``,
+            ``exp-avg-norm``, ``exp-avg-sq-norm``; with ``per_param`` also
+            ``grads-norm/{param,layer,expert}/...``, the same for ``updates-norm``, and
+            ``update-to-weight/layer/<layer>``. The log line's grad norm is followed by the
+            update-to-weight ratio (``| update/weight: 1.2e-03 (largest: layer 3 2.1e-03) |``).
+            Megatron's own ``grad-norm``, clipping and training are unchanged.
         audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
             every ``audit_interval`` iterations and at the first iteration after each setup
             (after any checkpoint load), after ``training_log``; write the number of findings
@@ -242,11 +261,10 @@ def install(
     audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
     parity = CheckpointParity(audit_action) if checkpoint_parity else None
     training = _training_module()
-    if any(installed_integration(training, name) is not None for name in _PATCHED):
+    if any(installed_integration(training, name) is not None for name in (*_PATCHED, "train_step")):
         raise RuntimeError(
             "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
             "handle install() returned before installing again"
         )
-    return MegatronLMIntegration(
-        training, ParamsNormLog(breakdown, per_param), wrapper_options, audit, parity
-    )
+    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms)
+    return MegatronLMIntegration(training, log, wrapper_options, audit, parity)

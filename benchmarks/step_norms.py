@@ -1,0 +1,123 @@
+"""What an armed step costs: ``python -m benchmarks.step_norms [--quick] [--out FILE]``.
+
+For each case (a tiny GPT with the distributed optimizer, on one CPU rank and one thread), the
+median of a plain ``step()`` and of an armed one (``measure_next_step()`` + ``step()`` +
+``step_norms()``, total-only and per-param), the total-only ``param_l2_norm()`` beside them, the
+extra peak memory of the armed step's own work (``benchmarks.param_norm.memory``), the
+largest fp32 tensor the rank holds (the issue's bound is 1 MiB + that), and the bytes each call
+reads. The step is re-run on the same grads (no forward / backward): what is timed is the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+CASES = {  # name: TinyGPTConfig fields
+    "h64-l2": dict(hidden_size=64, num_layers=2),
+    "h256-l4": dict(hidden_size=256, num_layers=4, vocab_size=1024),
+    "h512-l4": dict(hidden_size=512, num_layers=4, vocab_size=4096),
+}
+QUICK = ("h64-l2",)
+REPEATS = 5
+# Bytes each element of a counted fp32 tensor costs a call to read: the weights (4), and at an
+# armed step also the grads (4), the two moments (4 + 4) and the update's derivation (the
+# weight and both moments again: 12).
+READ_BYTES = {"param_l2_norm": 4, "armed": 4 + 4 + 8 + 12}
+
+
+def _median(fn: Callable[[], Any]) -> float:
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _case(fields: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.param_norm.memory import PeakMemory
+    from norm_optim import NormAwareOptimizer
+    from norm_optim._step import StepMeasurement
+    from norm_optim.testing import init_parallel
+    from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
+
+    init_parallel()
+    chunks = build_model(TinyGPTConfig(**fields), use_distributed_optimizer=True)
+    optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+    train_step(chunks, optimizer)
+
+    def armed(per_param: bool) -> Callable[[], Any]:
+        def run() -> None:
+            optimizer.measure_next_step(per_param=per_param)
+            optimizer.step()
+            float(optimizer.step_norms().updates.total)
+
+        return run
+
+    plain, total_only, per_param = optimizer.step, armed(False), armed(True)
+    for fn in (plain, total_only, per_param):  # warm up (per-param: the names exchange)
+        fn()
+    # The armed step's own work, isolated (Adam's temporaries vary by megabytes from one plain
+    # step to the next, so "armed minus plain" measures noise): the grads' sums as the hook
+    # takes them, and everything after the step (weights, derived updates, moments, packet).
+    peak = PeakMemory(torch.device("cpu"))
+    measurement = StepMeasurement(optimizer._current_reducer(), optimizer.wrapped_optimizer, False)
+    with measurement.around():
+        optimizer.wrapped_optimizer.step()
+    hook_peak = peak.measure(measurement._grad_squares)
+    after_peak = peak.measure(lambda: measurement.launch().wait())
+    counted = optimizer.registry.counted
+    numel = sum(r.numel for r in counted)
+    row = {
+        "numel": numel,
+        "tensors": len(counted),
+        "largest_fp32_tensor_bytes": max(r.numel for r in counted) * 4,
+        "plain_step_s": _median(plain),
+        "armed_step_s": _median(total_only),
+        "armed_per_param_step_s": _median(per_param),
+        "param_l2_norm_s": _median(lambda: float(optimizer.param_l2_norm())),
+        "memory_method": peak.method,
+        "extra_peak_bytes": None
+        if hook_peak is None or after_peak is None
+        else max(hook_peak, after_peak),
+        "bytes_read_param_l2_norm": numel * READ_BYTES["param_l2_norm"],
+        "bytes_read_armed_step": numel * READ_BYTES["armed"],
+    }
+    row["armed_over_plain"] = row["armed_step_s"] / row["plain_step_s"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    from norm_optim.testing import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = []
+    for name, fields in CASES.items():
+        if args.quick and name not in QUICK:
+            continue
+        (row,) = run_ranks(_case, 1, fields, timeout=600)
+        rows.append({"case": name, **row})
+        print(
+            f"{name}: {row['numel']} elements, plain {row['plain_step_s'] * 1e3:.3g} ms, "
+            f"armed {row['armed_step_s'] * 1e3:.3g} ms ({row['armed_over_plain']:.2f}x; "
+            f"per-param {row['armed_per_param_step_s'] * 1e3:.3g} ms), param_l2_norm "
+            f"{row['param_l2_norm_s'] * 1e3:.3g} ms, extra peak {row['extra_peak_bytes']} B "
+            f"(largest fp32 tensor {row['largest_fp32_tensor_bytes']} B)"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

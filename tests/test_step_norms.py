@@ -1,0 +1,794 @@
+"""Step norms on real CPU ranks: grads before clipping, updates, Adam moments, in one collective.
+
+Each case trains the tiny GPT one plain step (so Adam state exists), arms the next step with
+``measure_next_step(per_param=True)`` and runs it through a probe that stands between
+megatron's schedule and the optimizer: right before ``step()`` it snapshots, itself, every
+param's ``main_grad`` (unscaled by the loss scale, before megatron clips anything) and its fp32
+main (Megatron's ``main_param`` attribute, or the fp32 param itself); after it, the mains again and
+the inner optimizer's state read directly. The per-param oracle is the sum over ranks of those
+snapshots, each element counted once by the test's own rule (TP split by megatron's marker,
+DP rank 0 for whole replicas, every shard of the distributed optimizer): independent of the
+registry. The grads' total is also checked against the grad norm megatron's ``step()`` returns.
+
+The update is derived from the optimizer's post-step state (no copy of the weights), so it is
+compared with the stored difference within the bound the derivation documents: one ulp of each
+weight, summed in quadrature (``docs/step-norms.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from norm_optim import NormAwareOptimizer, TorchCommunicator, UnsupportedOptimizerError
+from norm_optim._versions import megatron_at_least
+from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim.testing.oracle import named_global_parameters
+from tests.support.layouts import DENSE, SMALL, SMALL_MOE, Layout
+
+SEED = 7
+REL = 1e-6
+QUANTITIES = ("weights", "grads", "updates", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layout: Layout
+    dist_opt: bool
+    optimizer: str = "adam"
+    clip_grad: float = 1.0
+    loss_scale: float | None = None
+    inf: bool = False  # an inf grad on every rank: the step is skipped
+    momentum: float | None = None  # SGD's (megatron's default: 0.9)
+
+
+CASES = {
+    "dp2-distopt": Case(Layout(2, SMALL), True),
+    "tp2-dp2-fp16opt": Case(Layout(4, SMALL, tp=2), False),
+    "tp2-dp2-distopt": Case(Layout(4, SMALL, tp=2), True),
+    "moe-ep2-distopt": Case(Layout(4, SMALL_MOE, ep=2), True),
+    "moe-ep2-fp16opt": Case(Layout(2, SMALL_MOE, ep=2), False),
+    "fp32opt-dp2": Case(Layout(2, dataclasses.replace(SMALL, bf16=False)), False),
+    "clipping-dp2-loss-scale": Case(Layout(2, SMALL), True, clip_grad=0.05, loss_scale=4.0),
+    "sgd-dp2-fp16opt": Case(Layout(2, SMALL), False, optimizer="sgd"),
+    "sgd-no-momentum-dp2": Case(Layout(2, SMALL), False, optimizer="sgd", momentum=0.0),
+    "skipped-dp2": Case(Layout(2, SMALL), True, loss_scale=4.0, inf=True),
+    "dp4-2instances": Case(Layout(4, SMALL, instances=2), True),
+    "tp2-pp2-tied-distopt": Case(Layout(4, SMALL, tp=2, pp=2), True),
+    "pp2-vpp2-dp2-fp16opt": Case(Layout(4, DENSE, pp=2, vpp=2), False),
+}
+
+
+def _build(case: Case) -> tuple[list, Any]:
+    init_parallel(**case.layout.parallel())
+    instances = case.layout.instances
+    chunks = build_model(
+        case.layout.cfg,
+        use_distributed_optimizer=case.dist_opt,
+        seed=SEED,
+        **({"num_distributed_optimizer_instances": instances} if instances > 1 else {}),
+    )
+    extra: dict[str, Any] = dict(clip_grad=case.clip_grad, weight_decay=0.1)
+    if case.loss_scale is not None:
+        extra["loss_scale"] = case.loss_scale
+    if case.momentum is not None:
+        extra["sgd_momentum"] = case.momentum
+    inner = build_optimizer(
+        chunks, lr=1e-2, bf16=case.layout.cfg.bf16, optimizer=case.optimizer, **extra
+    )
+    return chunks, inner
+
+
+def _leaves(inner: Any) -> list[Any]:
+    return list(getattr(inner, "chained_optimizers", [inner]))
+
+
+def _coords(param: torch.Tensor) -> tuple[int, int]:
+    """(TP rank, DP rank) of the group that splits / replicates ``param``: megatron's getters."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "allreduce", True):  # an expert param
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank()
+    return ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(
+        with_context_parallel=True
+    )
+
+
+class Probe:
+    """Stands in for the optimizer in ``train_step``: snapshots around the real ``step()``."""
+
+    def __init__(self, optimizer: Any, inner: Any, chunks: list, inf: bool) -> None:
+        self.optimizer, self.inner, self.chunks, self.inf = optimizer, inner, chunks, inf
+        self.params = list(named_global_parameters(chunks))
+        self.sums: dict[str, list[float]] = {}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def _held(self, param: torch.Tensor) -> tuple[torch.Tensor | None, slice, bool]:
+        """This rank's fp32 main of ``param`` (or its shard), where it sits in the flat grad,
+        and whether it is a distributed-optimizer shard."""
+        distributed = False
+        for leaf in _leaves(self.inner):
+            shards = getattr(leaf, "model_param_gbuf_map", None)
+            distributed |= shards is not None
+            if shards is not None and param in shards:
+                r = leaf._get_model_param_range_map(param)["param"]
+                return getattr(param, "main_param", None), slice(r.start, r.end), True
+        if distributed:  # no local shard
+            return None, slice(0), True
+        main = getattr(param, "main_param", None)
+        if main is None and param.dtype == torch.float32:
+            main = param  # an fp32 param is its own main (Float16 and FP32 optimizers)
+        return main, slice(0, param.numel()), False
+
+    def _counts(self, param: torch.Tensor, sharded: bool) -> bool:
+        from megatron.core import parallel_state as ps
+
+        if getattr(param, "shared", False):  # the last stage's copy of a tied embedding
+            return False
+        tp_rank, dp_rank = _coords(param)
+        tp_split = bool(getattr(param, "tensor_model_parallel", False))
+        # Several distributed-optimizer instances each hold every shard: global rank 0's counts.
+        group = ps.get_intra_distributed_optimizer_instance_group()
+        first = 0 in torch.distributed.get_process_group_ranks(group)
+        return (tp_split or tp_rank == 0) and (sharded and first or dp_rank == 0)
+
+    def step(self) -> Any:
+        scale = float(self.optimizer.get_loss_scale())
+        if self.inf:
+            self.params[0][1].main_grad.fill_(float("inf"))
+        before = {}
+        for name, param in self.params:
+            main, where, sharded = self._held(param)
+            if main is None or not param.requires_grad:
+                continue
+            grad = param.main_grad.detach().reshape(-1)[where].double() / scale
+            before[name] = (main, main.detach().clone(), grad, sharded)
+        self.result = self.optimizer.step()
+        states = {}
+        for leaf in _leaves(self.inner):
+            if getattr(leaf, "optimizer", None) is not None:
+                states.update({id(k): v for k, v in leaf.optimizer.state.items()})
+        for name, param in self.params:
+            if name not in before:
+                continue
+            main, old, grad, sharded = before[name]
+            if not self._counts(param, sharded):
+                continue
+            new = main.detach().double()
+            state = states.get(id(main), {})
+            ulp = torch.nextafter(main.detach(), torch.tensor(math.inf)) - main.detach()
+            values = [
+                new.square().sum(),
+                grad.square().sum(),
+                (new - old.double()).square().sum(),
+                state["exp_avg"].double().square().sum() if "exp_avg" in state else 0.0,
+                state["exp_avg_sq"].double().square().sum() if "exp_avg_sq" in state else 0.0,
+                ulp.double().square().sum(),
+            ]
+            sums = self.sums.setdefault(name, [0.0] * len(values))
+            for i, v in enumerate(values):
+                sums[i] += float(v)
+        return self.result
+
+    def oracle(self) -> dict[str, list[float]]:
+        """The snapshots' sums of squares by name, over all ranks."""
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, self.sums)
+        total: dict[str, list[float]] = {}
+        for sums in gathered:
+            for name, values in sums.items():
+                acc = total.setdefault(name, [0.0] * len(values))
+                for i, v in enumerate(values):
+                    acc[i] += v
+        return total
+
+
+class CountingCommunicator(TorchCommunicator):
+    """Counts norm_optim's all-reduces."""
+
+    all_reduces = 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor, group: Any, async_op: bool) -> Any:
+        self.all_reduces += 1
+        return super().all_reduce_sum(tensor, group, async_op)
+
+
+def _measured_run(case: Case) -> dict:
+    chunks, inner = _build(case)
+    comm = CountingCommunicator()
+    optimizer = NormAwareOptimizer(inner, model=chunks, comm=comm)
+    train_step(chunks, optimizer, seed=0)
+    before = float(optimizer.param_l2_norm())
+    optimizer.measure_next_step(per_param=True)
+    probe = Probe(optimizer, inner, chunks, case.inf)
+    reduces = comm.all_reduces
+    ok, grad_norm, _ = train_step(chunks, probe, seed=1)
+    s = optimizer.step_norms()
+    reduces = comm.all_reduces - reduces
+    out: dict[str, Any] = {
+        "ok": ok,
+        "all_reduces": reduces,
+        "grad_norm": grad_norm,
+        "skipped": s.skipped,
+        "weights_before": before,
+        "oracle": probe.oracle(),
+        "has_moments": s.exp_avg is not None,
+        "ratio": {k: float(v) for k, v in (s.update_to_weight or {}).items()},
+    }
+    for q in QUANTITIES:
+        norms = getattr(s, q)
+        if norms is None:
+            continue
+        out[q] = {
+            "total": float(norms.total),
+            "dense": float(norms.dense),
+            "expert": float(norms.expert),
+            "per_param": {k: float(v) for k, v in norms.per_param.items()},
+            "per_layer": {k: float(v) for k, v in norms.per_layer.items()},
+        }
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_norms_against_the_snapshots(name: str) -> None:
+    case = CASES[name]
+    results = run_ranks(_measured_run, case.layout.world, case)
+    oracle = results[0]["oracle"]
+    for rank, got in enumerate(results):
+        assert got["oracle"] == oracle
+        assert got["skipped"] is case.inf and got["ok"] is not case.inf
+        assert got["all_reduces"] == 1, "one all-reduce for every quantity of the step"
+        assert got["has_moments"] is (case.optimizer == "adam")
+        for q in QUANTITIES:
+            if case.optimizer != "adam" and q.startswith("exp_avg"):
+                assert q not in got
+                continue
+            i = QUANTITIES.index(q)
+            per_param = got[q]["per_param"]
+            assert set(per_param) == set(oracle), f"rank {rank} {q}: names differ"
+            total = math.sqrt(sum(v[i] for v in oracle.values()))
+            if q == "grads" and case.inf:
+                assert not math.isfinite(got[q]["total"])
+                continue
+            if q == "updates":
+                # The derived update vs the stored difference: within one ulp of each weight.
+                bound = math.sqrt(sum(v[5] for v in oracle.values()))
+                assert abs(got[q]["total"] - total) <= bound + REL * total, (rank, q)
+                for pname, v in oracle.items():
+                    assert abs(per_param[pname] - math.sqrt(v[2])) <= math.sqrt(v[5]) + 1e-12
+                if case.inf:
+                    assert got[q]["total"] == 0.0 and total == 0.0
+                continue
+            assert got[q]["total"] == pytest.approx(total, rel=REL, abs=1e-12), (rank, q)
+            for pname, v in oracle.items():
+                assert per_param[pname] == pytest.approx(math.sqrt(v[i]), rel=REL, abs=1e-12), (
+                    rank,
+                    q,
+                    pname,
+                )
+            squares = got[q]["dense"] ** 2 + got[q]["expert"] ** 2
+            assert squares == pytest.approx(got[q]["total"] ** 2, rel=1e-9)
+        if case.inf:
+            assert got["weights"]["total"] == pytest.approx(got["weights_before"], rel=1e-12)
+        else:
+            # Megatron's own grad norm (computed when clip_grad > 0) is the grads' total.
+            assert got["grads"]["total"] == pytest.approx(got["grad_norm"], rel=REL)
+            if case.clip_grad < 1.0:
+                assert got["grad_norm"] > case.clip_grad, "the case must clip"
+            for layer, ratio in got["ratio"].items():
+                w, u = got["weights"]["per_layer"][layer], got["updates"]["per_layer"][layer]
+                assert ratio == pytest.approx(u / w, rel=1e-12)
+
+
+def _native_fsdp2(mesh_shape: tuple[int, ...]) -> dict:
+    """torch-native ``fully_shard`` with ``torch.optim.AdamW``: the same snapshots, of the
+    DTensors' local shards, each counted once by the test's rule (coordinate 0 of every
+    ``Replicate`` mesh axis)."""
+    from torch.distributed.tensor import Replicate
+
+    from norm_optim.testing.torch_fsdp2 import build_native_fsdp2, native_train_step
+
+    model, inner, _ = build_native_fsdp2(mesh_shape)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    native_train_step(model, optimizer, 0)  # Adam state exists
+    sums: dict[str, list[float]] = {}
+
+    class NativeProbe:
+        def zero_grad(self) -> None:
+            optimizer.zero_grad()
+
+        def step(self) -> None:
+            params = dict(model.named_parameters())
+            before = {
+                n: (p._local_tensor.clone(), p.grad._local_tensor.clone())
+                for n, p in params.items()
+            }
+            optimizer.step()
+            for name, p in params.items():
+                coordinate = p.device_mesh.get_coordinate()
+                if any(
+                    type(pl) is Replicate and coordinate[i] for i, pl in enumerate(p.placements)
+                ):
+                    continue
+                old, grad = before[name]
+                new, state = p._local_tensor.double(), inner.state[p]
+                ulp = torch.nextafter(p._local_tensor, torch.tensor(math.inf)) - p._local_tensor
+                sums[name] = [
+                    float(new.square().sum()),
+                    float(grad.double().square().sum()),
+                    float((new - old.double()).square().sum()),
+                    float(state["exp_avg"]._local_tensor.double().square().sum()),
+                    float(state["exp_avg_sq"]._local_tensor.double().square().sum()),
+                    float(ulp.double().square().sum()),
+                ]
+
+    optimizer.measure_next_step(per_param=True)
+    native_train_step(model, NativeProbe(), 1)  # type: ignore[arg-type]
+    s = optimizer.step_norms()
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, sums)
+    oracle = [math.fsum(g[n][i] for g in gathered for n in g) for i in range(6)]
+    return {
+        "got": [float(getattr(s, q).total) for q in QUANTITIES],
+        "oracle": [math.sqrt(v) for v in oracle],
+        "skipped": s.skipped,
+    }
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=["fsdp2-dp2", "hsdp-2x2"])
+def test_torch_native_fsdp2(mesh: tuple[int, ...]) -> None:
+    for result in run_ranks(_native_fsdp2, math.prod(mesh), mesh):
+        got, oracle = result["got"], result["oracle"]
+        assert not result["skipped"]
+        for i, q in enumerate(QUANTITIES):
+            if q == "updates":
+                assert abs(got[i] - oracle[i]) <= oracle[5] + REL * oracle[i], (q, got, oracle)
+            else:
+                assert got[i] == pytest.approx(oracle[i], rel=REL), q
+
+
+def _megatron_fsdp2() -> dict:
+    """Megatron's ``TorchFullyShardedDataParallel`` (``--use-torch-fsdp2``) with its Float16
+    optimizer: the grads' total against megatron's grad norm, the rest against snapshots of the
+    inner optimizer's fp32 DTensors (all ``Shard`` placements on DP2: each local shard counts)."""
+    from torch.distributed.tensor import Shard
+
+    from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
+
+    init_parallel()
+    chunks = build_torch_fsdp2_model(dataclasses.replace(SMALL, tie_embeddings=False), seed=3)
+    inner = build_optimizer(chunks, lr=1e-2)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    assert all(all(type(pl) is Shard for pl in p.placements) for p in mains)
+    before = [p._local_tensor.clone() for p in mains]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    local = [
+        math.fsum(float(p._local_tensor.double().square().sum()) for p in mains),
+        math.fsum(
+            float((p._local_tensor.double() - b.double()).square().sum())
+            for p, b in zip(mains, before)
+        ),
+        math.fsum(
+            float(
+                inner.chained_optimizers[0]
+                .optimizer.state[p]["exp_avg_sq"]
+                ._local_tensor.double()
+                .square()
+                .sum()
+            )
+            for p in mains
+        ),
+        math.fsum(
+            float(
+                (torch.nextafter(p._local_tensor, torch.tensor(math.inf)) - p._local_tensor)
+                .double()
+                .square()
+                .sum()
+            )
+            for p in mains
+        ),
+    ]
+    total = torch.tensor(local, dtype=torch.float64)
+    torch.distributed.all_reduce(total)
+    return {
+        "grad_norm": grad_norm,
+        "got": [float(s.grads.total), float(s.weights.total), float(s.updates.total)],
+        "exp_avg_sq": float(s.exp_avg_sq.total),  # type: ignore[union-attr]
+        "oracle": total.sqrt().tolist(),
+    }
+
+
+@pytest.mark.skipif(
+    not megatron_at_least(0, 19),
+    reason="TorchFullyShardedDataParallel trains on CPU ranks since megatron-core 0.19 here",
+)
+def test_megatron_torch_fsdp2() -> None:
+    for result in run_ranks(_megatron_fsdp2, 2):
+        grads, weights, updates = result["got"]
+        w, u, v, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert weights == pytest.approx(w, rel=REL)
+        assert result["exp_avg_sq"] == pytest.approx(v, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
+def _layer_wise_adam() -> dict:
+    """``LayerWiseDistributedOptimizer`` with Adam leaves (as ``get_megatron_muon_optimizer``
+    chains them): each param is stepped whole on one DP rank, so the snapshots of every rank's
+    leaves, summed over ranks, are the oracle."""
+    from tests import test_optimizer_kinds as kinds
+
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=False, seed=SEED)
+    inner = kinds._layer_wise(chunks)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    leaves = [leaf for leaf in _leaves(inner) if getattr(leaf, "optimizer", None) is not None]
+    mains = [p for leaf in leaves for g in leaf.optimizer.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in mains]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
+    local = torch.tensor(
+        [
+            math.fsum(float(p.double().square().sum()) for p in mains),
+            math.fsum(
+                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
+            ),
+            math.fsum(float(states[id(p)]["exp_avg"].double().square().sum()) for p in mains),
+            math.fsum(
+                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+                for p in mains
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(local)
+    return {
+        "grad_norm": grad_norm,
+        "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
+        "oracle": local.sqrt().tolist(),
+    }
+
+
+@pytest.mark.skipif(
+    not megatron_at_least(0, 16),
+    reason="LayerWiseDistributedOptimizer exists since megatron-core 0.16",
+)
+def test_layer_wise_optimizer_with_adam_leaves() -> None:
+    for result in run_ranks(_layer_wise_adam, 2):
+        grads, updates, exp_avg = result["got"]
+        w, u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
+def _megatron_fsdp(moe: bool) -> dict:
+    """Megatron-FSDP v1 (``optim_grads_params``): its optimizer steps DTensors whose local shards
+    view its fp32 buffers; every placement is ``Shard`` here (DP2, or EP2 with expert-DP 1), so
+    each rank's local shards, summed over ranks, are the oracle."""
+    from torch.distributed.tensor import Shard
+
+    from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+    init_parallel(ep=2 if moe else 1)
+    chunks = build_fsdp_model(SMALL_MOE if moe else SMALL, seed=3)
+    inner = build_optimizer(chunks, lr=1e-2)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    assert all(all(type(pl) is Shard for pl in p.placements) for p in mains)
+    local = [p._local_tensor for p in mains]
+    before = [t.clone() for t in local]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    states = {id(k): v for leaf in _leaves(inner) for k, v in leaf.optimizer.state.items()}
+    sums = torch.tensor(
+        [
+            math.fsum(
+                float((t.double() - b.double()).square().sum()) for t, b in zip(local, before)
+            ),
+            math.fsum(  # a rank whose shard of a param is empty keeps no state for it
+                float(states[id(p)]["exp_avg"]._local_tensor.double().square().sum())
+                for p in mains
+                if id(p) in states
+            ),
+            math.fsum(
+                float((torch.nextafter(t, torch.tensor(math.inf)) - t).double().square().sum())
+                for t in local
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(sums)
+    return {
+        "grad_norm": grad_norm,
+        "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
+        "oracle": sums.sqrt().tolist(),
+    }
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        pytest.param(False, id="dense-dp2"),
+        pytest.param(
+            True,
+            id="moe-ep2",
+            marks=pytest.mark.skipif(
+                megatron_at_least(0, 15) and not megatron_at_least(0, 16),
+                reason="Megatron-FSDP of megatron-core 0.15 cannot build a model with experts",
+            ),
+        ),
+    ],
+)
+@pytest.mark.skipif(
+    not megatron_at_least(0, 15),
+    reason="Megatron-FSDP of megatron-core 0.14 does not build with this torch",
+)
+def test_megatron_fsdp(moe: bool) -> None:
+    for result in run_ranks(_megatron_fsdp, 2, moe):
+        grads, updates, exp_avg = result["got"]
+        u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
+def _hybrid_offload() -> dict:
+    """``HybridDeviceOptimizer`` (CPU offload of the distributed optimizer's fp32 shards, built
+    as test_optimizer_kinds builds it on CPU): its AdamW sub-optimizers step copies of the
+    shards and copy them back; the shards' snapshots and its state are the oracle."""
+    from tests import test_optimizer_kinds as kinds
+
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
+    with kinds._main_params_declared_on_device():
+        inner = kinds._hybrid(chunks, precision_aware=False)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    train_step(chunks, optimizer, seed=0)
+    hybrid = inner.chained_optimizers[0].optimizer
+    assert type(hybrid).__name__ == "HybridDeviceOptimizer"
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in mains]
+    optimizer.measure_next_step()
+    ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
+    s = optimizer.step_norms()
+    sums = torch.tensor(
+        [
+            math.fsum(
+                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
+            ),
+            math.fsum(
+                float(hybrid.state[p]["exp_avg"].double().square().sum())
+                for p in mains
+                if p in hybrid.state
+            ),
+            math.fsum(
+                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+                for p in mains
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(sums)
+    got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
+    return {"grad_norm": grad_norm, "got": got, "oracle": sums.sqrt().tolist()}
+
+
+def test_hybrid_device_optimizer() -> None:
+    for result in run_ranks(_hybrid_offload, 2):
+        grads, updates, exp_avg = result["got"]
+        u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(result["grad_norm"], rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
+def _training(case: Case, armed: bool) -> dict:
+    chunks, inner = _build(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    returns = []
+    for step in range(3):
+        if armed:
+            optimizer.measure_next_step(per_param=step % 2 == 1)
+        returns.append(train_step(chunks, optimizer, seed=step))
+        if armed:
+            float(optimizer.step_norms().updates.total)
+    return {
+        "returns": returns,
+        "params": [p.detach().clone() for c in chunks for p in c.parameters()],
+        "mains": [t.detach().clone() for g in inner.param_groups for t in g["params"]],
+        "own": [sorted(vars(leaf)) for leaf in [inner, *_leaves(inner)]],
+    }
+
+
+@pytest.mark.parametrize("name", ["tp2-dp2-distopt", "moe-ep2-fp16opt"])
+def test_arming_changes_no_training_bit(name: str) -> None:
+    case = CASES[name]
+    plain = run_ranks(_training, case.layout.world, case, False)
+    armed = run_ranks(_training, case.layout.world, case, True)
+    for rank, (a, b) in enumerate(zip(plain, armed)):
+        assert a["returns"] == b["returns"], f"rank {rank}: step() returned something else"
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
+        assert all(torch.equal(x, y) for x, y in zip(a["mains"], b["mains"])), rank
+        assert a["own"] == b["own"], f"rank {rank}: the hooks left attributes behind"
+
+
+def _refused(kind: str) -> str:
+    init_parallel()
+    if kind == "megatron-fsdp-v2":
+        from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+        chunks = build_fsdp_model(SMALL, version=2)
+    else:
+        chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon", seed=SEED)
+    if kind == "megatron-fsdp-v2":
+        inner = build_optimizer(chunks, use_distributed_optimizer=False)
+    elif kind == "precision-aware":
+        from tests.support.precision_aware_standin import build_precision_aware_optimizer
+
+        inner = build_precision_aware_optimizer(chunks)
+    elif kind == "muon":
+        inner = build_optimizer(chunks, optimizer="muon")
+    else:
+        inner = build_optimizer(chunks)
+        leaf = _leaves(inner)[0]
+        leaf.optimizer = torch.optim.RMSprop(leaf.optimizer.param_groups)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    with pytest.raises(UnsupportedOptimizerError) as error:
+        optimizer.measure_next_step()
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("precision-aware", "precision-aware"),
+        pytest.param(
+            "muon",
+            "Muon",
+            marks=pytest.mark.skipif(
+                not (megatron_at_least(0, 19) and importlib.util.find_spec("emerging_optimizers")),
+                reason="Muon in get_megatron_optimizer needs megatron-core >= 0.19 and "
+                "emerging-optimizers",
+            ),
+        ),
+        ("rmsprop", "RMSprop"),
+        pytest.param(
+            "megatron-fsdp-v2",
+            "Megatron-FSDP v2",
+            marks=pytest.mark.skipif(
+                not megatron_at_least(0, 20), reason="Megatron-FSDP v2 exists on megatron-core main"
+            ),
+        ),
+    ],
+)
+def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
+    world = 2 if kind == "megatron-fsdp-v2" else 1
+    messages = run_ranks(_refused, world, kind)
+    assert all(words in message and "step norms" in message for message in messages), messages
+
+
+def _mimo() -> dict:
+    """A real ``MimoModel`` (encoder on rank 0, language model on rank 1, each its own grid and
+    Float16 optimizer): each rank's mains are whole and its own, so their snapshots summed over
+    ranks are the oracle; ``clip_grad=0`` leaves the grads as the step read them."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from norm_optim.testing.mimo import MimoLayout, ModuleGrid, build_mimo_model, mimo_modules
+
+    model = build_mimo_model(MimoLayout(2, ModuleGrid(0), ModuleGrid(1)), seed=3)
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0
+    )
+    inner = get_megatron_optimizer(config, [model])
+    optimizer = NormAwareOptimizer(inner, model=model)
+    active = [i.optimizer for i in inner.module_infos.values() if i.is_active and i.optimizer]
+    leaves = [leaf for member in active for leaf in _leaves(member)]
+    mains = [p for leaf in leaves for g in leaf.optimizer.param_groups for p in g["params"]]
+
+    def step(seed: int) -> None:
+        # Random grads in DDP's grad buffers, then the real MimoOptimizer.step() (as test_mimo).
+        generator = torch.Generator().manual_seed(seed)
+        for _, module, _ in mimo_modules(model):
+            for param in module.parameters():
+                if param.requires_grad:
+                    param.main_grad.copy_(torch.randn(param.shape, generator=generator))
+        assert optimizer.step()[0]
+
+    step(0)
+    before = [p.detach().clone() for p in mains]
+    optimizer.measure_next_step()
+    step(1)
+    s = optimizer.step_norms()
+    states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
+    sums = torch.tensor(
+        [
+            math.fsum(float(p.grad.double().square().sum()) for p in mains),
+            math.fsum(
+                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
+            ),
+            math.fsum(float(states[id(p)]["exp_avg"].double().square().sum()) for p in mains),
+            math.fsum(
+                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+                for p in mains
+            ),
+        ],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(sums)
+    got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
+    return {"got": got, "oracle": sums.sqrt().tolist()}
+
+
+def test_mimo() -> None:
+    from norm_optim.testing.mimo import has_mimo
+
+    if not has_mimo():
+        pytest.skip("this megatron-core has no MimoOptimizer (the test kit builds MIMO on 0.19+)")
+    for result in run_ranks(_mimo, 2):
+        grads, updates, exp_avg = result["got"]
+        g, u, m, ulp = result["oracle"]
+        assert grads == pytest.approx(g, rel=REL)
+        assert exp_avg == pytest.approx(m, rel=REL)
+        assert abs(updates - u) <= ulp + REL * u
+
+
+def _not_measured() -> str:
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=SEED)
+    optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+    train_step(chunks, optimizer)
+    try:
+        optimizer.step_norms()
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return str(error)
+    return "no error"
+
+
+def test_step_norms_without_an_armed_step_is_an_error() -> None:
+    assert "measure_next_step" in run_ranks(_not_measured, 1)[0]
+
+
+def test_a_param_without_grad_is_not_stepped() -> None:
+    """torch skips a param whose grad is None although it has Adam state from earlier steps:
+    its update is zero, not one derived from stale moments (one process, plain AdamW)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model[1](torch.randn(2, 8)).sum().backward()  # the first layer gets no grad
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.measure_next_step(per_param=True)
+    optimizer.step()
+    s = optimizer.step_norms()
+    moved = [(p.detach() - b).double().square().sum() for p, b in zip(model.parameters(), before)]
+    assert float(moved[0]) == 0.0 and float(s.updates.per_param["0.weight"]) == 0.0
+    expected = math.sqrt(float(sum(moved)))
+    ulp = math.sqrt(
+        sum(
+            float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
+            for p in model.parameters()
+        )
+    )
+    assert abs(float(s.updates.total) - expected) <= ulp
+    assert float(s.grads.per_param["0.weight"]) == 0.0 and float(s.grads.total) > 0
