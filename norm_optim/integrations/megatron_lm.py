@@ -211,7 +211,7 @@ def install(
     step_norms: bool = False,
     audit_interval: int = 0,
     audit_action: str = "warn",
-    checkpoint_parity: bool = False,
+    checkpoint_parity: bool = True,
     **wrapper_options: Any,
 ) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
@@ -246,6 +246,12 @@ def install(
         audit_action: ``"warn"``: rank 0 prints the findings with their param names;
             ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
             before the bad weights are saved.
+        checkpoint_parity: write the saved weights' total and per-layer norms beside every
+            checkpoint the loop saves (``norm_optim_norms.json``, one per-param norm read per
+            save) and, after a load, log the loaded weights' norm once before the first step
+            (``params-norm/at-load`` and a line from rank 0) and name the layers whose norm
+            differs from what was saved (warned or raised as ``audit_action`` says). On by
+            default; a checkpoint saved without it just gets the at-load line.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``pg_collection``, ``group``, ``comm``).
 
