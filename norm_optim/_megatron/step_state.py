@@ -15,7 +15,9 @@ that no copy of the weights is ever kept (the issue's memory bound): torch's Ada
 keep every term of their rule in their state and param groups. The derivation is exact math on
 the stored values; the difference the step *stored* also carries the fp32 rounding of
 ``θ_after``, so the two differ by at most about one ulp of each weight (see docs/step-norms.md).
-A rule this module does not know (TE's / apex's FusedAdam, Muon, ...) is refused by name; a
+apex's and Transformer Engine's ``FusedAdam`` keep the same terms (the step count in the param
+group), read for fp32 params and fp32 moments only; a rule or a flag this module does not know
+(Muon, FusedAdam's master weights, ...) is refused by name; a
 ``LayerWiseDistributedOptimizer`` is read through its leaves (Adam leaves are exact).
 """
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
+import struct
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -41,6 +45,51 @@ UPDATE_PIECE = 1 << 14
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
+# The fused Adams read, by ``module.qualname`` (importing them needs CUDA), and the constructor
+# flags each may take; a flag outside these is one norm_optim has not read (refused by name).
+#
+# Read at apex 25.09-52-g6424da3b (commit 6424da3b4faa) and TransformerEngine commit d0067d0da6cb
+# (2026-08-22): ``apex/optimizers/fused_adam.py`` / ``transformer_engine/pytorch/optimizers/
+# fused_adam.py`` ``step()`` and the fp32 functor of ``csrc/multi_tensor_adam.cu`` /
+# ``transformer_engine/common/multi_tensor/adam.cu`` (``AdamFunctor``, identical in both):
+#
+# - the step count is ``group["step"]``, one per param group, advanced once per ``step()`` before
+#   the kernel (apex: for a non-empty group; TE: for every group); there is no ``state["step"]``;
+# - ``bias_correction1/2 = 1 - pow(beta, step)`` when ``group["bias_correction"]``, else 1
+#   (host code of ``multi_tensor_adam_cuda``, in float);
+# - ``adam_w_mode`` is the instance's (1: decoupled decay, 0: L2), ``lr``, ``betas``, ``eps``,
+#   ``weight_decay`` the group's;
+# - L2 (mode 0): ``g += wd·p``; ``m = b1·m + (1−b1)·g``; ``v = b2·v + (1−b2)·g²``;
+#   ``p -= lr · (m/bc1) / (sqrt(v/bc2) + eps)``;
+# - AdamW (mode 1): the same moments of ``g``; ``p -= lr · ((m/bc1) / (sqrt(v/bc2) + eps) + wd·p)``
+#   (``p`` the value before the step), i.e. torch AdamW's ``p·(1 − lr·wd) − lr·m̂/denom``;
+# - a param whose grad is None is skipped (TE creates its zero state anyway);
+# - ``capturable`` (step / lr as device tensors, a found-inf no-op), ``master_weights`` (an fp32
+#   copy beside the param) and TE's non-fp32 ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (scaled
+#   moments), ``use_decoupled_grad`` and ``store_param_remainders`` change what is stepped or
+#   stored: refused.
+_FUSED_ADAM_FLAGS = (
+    (
+        "apex.optimizers.fused_adam.FusedAdam",
+        frozenset(
+            ("params", "lr", "bias_correction", "betas", "eps", "adam_w_mode", "weight_decay")
+            + ("amsgrad", "set_grad_none", "capturable", "master_weights")
+        ),
+    ),
+    (
+        "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam",
+        frozenset(
+            ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction")
+            + ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype")
+            + ("exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad")
+            + ("store_param_remainders", "set_grad_none")
+        ),
+    ),
+)
+# Flags that must be off (falsy) for the step to be read, and dtypes that must be fp32.
+_FUSED_ADAM_OFF = ("capturable", "master_weights", "use_decoupled_grad", "store_param_remainders")
+_FUSED_ADAM_FP32 = ("exp_avg_dtype", "exp_avg_sq_dtype")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
@@ -49,7 +98,7 @@ class _Entry:
     group: dict
     optimizer: Any  # the inner torch optimizer
     param: torch.Tensor  # what it steps (a DTensor under torch FSDP2)
-    kind: str  # "adam" or "sgd"
+    kind: str  # "adam" (torch's), "fused_adam" (apex's / TE's) or "sgd"
     grad_of: Optional[torch.Tensor] = None  # whose .grad is the step's, if not param's
 
     @property
@@ -95,6 +144,14 @@ class StepState:
                 "fp32 tensors only (its rounding would dominate the update)"
             )
         group = entry.group
+        if entry.kind == "fused_adam":
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = entry.state.get(key)
+                if value is not None and value.dtype != torch.float32:
+                    raise UnsupportedOptimizerError(
+                        f"{name!r}: FusedAdam keeps its {key} as {value.dtype}: step norms read "
+                        "fp32 moments only"
+                    )
         if entry.kind == "sgd" and group.get("nesterov", False):
             raise UnsupportedOptimizerError(
                 "torch.optim.SGD with nesterov=True: its update is not derived by norm_optim"
@@ -108,7 +165,7 @@ class StepState:
     def moments(self, tensor: torch.Tensor, name: str) -> tuple[Optional[torch.Tensor], ...]:
         """``(exp_avg, exp_avg_sq)`` of an Adam-stepped tensor (None where there is no state)."""
         entry = self._entry(tensor, name)
-        if entry.kind != "adam":
+        if entry.kind == "sgd":
             return None, None
         return entry.state.get("exp_avg"), entry.state.get("exp_avg_sq")
 
@@ -128,23 +185,41 @@ class StepState:
         lr = float(group["lr"])
         wd = float(group.get("weight_decay", 0.0))
         flat = tensor.detach().reshape(-1)
-        if entry.kind == "adam":
+        if entry.kind != "sgd":
             if not state:  # not stepped yet
                 return
             beta1, beta2 = (float(b) for b in group["betas"])
-            step = float(state["step"])
-            bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
-            step_size, eps = lr / bias1, float(group["eps"])
-            decoupled = bool(group.get("decoupled_weight_decay", False))
+            eps = float(group["eps"])
+            corrected = True
+            if entry.kind == "fused_adam":
+                # FusedAdam (see _FUSED_ADAM_FLAGS): one step count per group, its own
+                # bias-correction switch, the instance's adam_w_mode, never amsgrad; the kernel
+                # takes lr, betas, eps and weight_decay as C floats (its bias corrections are of
+                # the fp32 betas: 1 − fp32(0.999) is 1.3e-5 off 0.001, enough to matter).
+                if "step" not in group:
+                    return
+                step = float(group["step"])
+                corrected = bool(group["bias_correction"])
+                decoupled = bool(entry.optimizer.adam_w_mode)
+                v = state["exp_avg_sq"]
+                lr, wd, beta1, beta2, eps = (_fp32(x) for x in (lr, wd, beta1, beta2, eps))
+                bias1 = _fp32(1 - beta1**step) if corrected else 1.0
+                bias2_sqrt = math.sqrt(_fp32(1 - beta2**step)) if corrected else 1.0
+            else:
+                step = float(state["step"])
+                decoupled = bool(group.get("decoupled_weight_decay", False))
+                v = state["max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"]
+                bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+            step_size = lr / bias1
             m = state["exp_avg"].reshape(-1)
-            v = state["max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"]
             v = v.reshape(-1)
             for start in range(0, flat.numel(), UPDATE_PIECE):
                 end = min(start + UPDATE_PIECE, flat.numel())
                 # u = step_size · m / (√v / √bc2 + eps) is what the step subtracted; with
                 # decoupled decay θ_a = θ_b·(1 − lr·wd) − u, so Δ = −(u + lr·wd·θ_a) / (1 − lr·wd).
-                # (torch.optim.Adam's L2 decay is inside the moments already: Δ = −u.)
-                # Written as c·m / (√v + eps·√bc2) + c'·θ_a: four element-wise ops per piece.
+                # (L2 decay, torch.optim.Adam's or FusedAdam's mode 0, is inside the moments
+                # already: Δ = −u.) Written as c·m / (√v + eps·√bc2) + c'·θ_a: four element-wise
+                # ops per piece.
                 keep = 1 - lr * wd if decoupled else 1.0
                 scale = -step_size * bias2_sqrt / keep
                 denom = v[start:end].sqrt().add_(eps * bias2_sqrt)
@@ -195,8 +270,8 @@ def read_step_state(optimizer: Any) -> StepState:
             continue
         _refuse_leaf(leaf, inner, config, version)
         for held, optimizer, group, param, grad_of in _stepped(inner):
-            kind = "sgd" if type(optimizer) is torch.optim.SGD else "adam"
-            has_moments |= kind == "adam"
+            kind = _kind(optimizer)
+            has_moments |= kind != "sgd"
             entries[id(held)] = _Entry(group, optimizer, param, kind, grad_of)
     return StepState(entries, has_moments)
 
@@ -225,6 +300,57 @@ def _stepped(
     for group in inner.param_groups:
         for param in group["params"]:
             yield _local(param), inner, group, param, None
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (what a C ``float`` argument holds)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _qualified(optimizer: Any) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _kind(optimizer: Any) -> str:
+    """How ``update_pieces`` reads a torch optimizer ``_refuse_leaf`` accepted."""
+    if type(optimizer) is torch.optim.SGD:
+        return "sgd"
+    if any(_qualified(optimizer) == name for name, _ in _FUSED_ADAM_FLAGS):
+        return "fused_adam"
+    return "adam"
+
+
+def _refuse_fused_adam(inner: Any, version: str) -> bool:
+    """Whether ``inner`` is apex's / TE's FusedAdam, refusing (by flag) a use of it whose step
+    is not read exactly: master weights, scaled or non-fp32 moments, decoupled grads, CUDA-graph
+    capture, or a constructor flag not in ``_FUSED_ADAM_FLAGS``."""
+    name = _qualified(inner)
+    known = next((flags for fused, flags in _FUSED_ADAM_FLAGS if fused == name), None)
+    if known is None:
+        return False
+    taken = [
+        p.name
+        for p in inspect.signature(type(inner).__init__).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    unknown = sorted(set(taken) - known)
+    if unknown:
+        raise _refuse(
+            name, version, f"its constructor takes {unknown}, flags norm_optim has not read"
+        )
+    on = [flag for flag in _FUSED_ADAM_OFF if getattr(inner, flag, False)]
+    if on:
+        raise _refuse(name, version, f"{on} on: its step is not read exactly (fp32 use only)")
+    narrow = [
+        f"{flag}={getattr(inner, flag)}"
+        for flag in _FUSED_ADAM_FP32
+        if getattr(inner, flag, torch.float32) != torch.float32
+    ]
+    if narrow:
+        raise _refuse(name, version, f"{narrow}: scaled moments, not read (fp32 moments only)")
+    if getattr(inner, "adam_w_mode", None) not in (0, 1, False, True):
+        raise _refuse(name, version, f"adam_w_mode={inner.adam_w_mode!r} is not 0 or 1")
+    return True
 
 
 def _refuse(what: str, version: str, why: str) -> UnsupportedOptimizerError:
@@ -265,13 +391,15 @@ def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
                 f"its sub-optimizers ({sorted(r.__name__ for r in rules)}) are not torch's Adam",
             )
         return
+    if _refuse_fused_adam(inner, version):
+        return
     if type(inner) not in (*_ADAM, torch.optim.SGD):
         raise _refuse(
             inner_name,
             version,
-            "its update rule is not one norm_optim derives (torch.optim.Adam, AdamW, SGD): "
-            "Muon and the emerging optimizers (orthogonalized momentum), TE's and apex's "
-            "FusedAdam are not read yet",
+            "its update rule is not one norm_optim derives (torch.optim.Adam, AdamW, SGD, "
+            "apex's and TE's FusedAdam): Muon and the emerging optimizers (orthogonalized "
+            "momentum), the fused SGDs are not read yet",
         )
 
 
