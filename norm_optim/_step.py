@@ -12,8 +12,10 @@ An unarmed step never reaches this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, ContextManager, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 
@@ -40,6 +42,9 @@ class StepNorms:
         update_to_weight: per layer, ``updates.per_layer / weights.per_layer`` (None without
             ``per_param``).
         skipped: the optimizer skipped the step (fp16 overflow, or a grad-norm threshold).
+        momentum: the momentum buffer of Muon (and the other orthogonalized emerging
+            optimizers) after the step, over the params they step (zero for the others, which
+            the Adam moments cover); None when no leaf is one.
     """
 
     weights: ParamNorms
@@ -49,6 +54,7 @@ class StepNorms:
     exp_avg_sq: Optional[ParamNorms]
     update_to_weight: Optional[NamedNorms]
     skipped: bool
+    momentum: Optional[ParamNorms] = None
 
     @property
     def update_to_weight_total(self) -> torch.Tensor:
@@ -68,9 +74,11 @@ class PendingStepNorms:
         per_param: bool,
         has_moments: bool,
         skipped: bool,
+        has_momentum: bool = False,
     ) -> None:
         self._packet, self._work, self._reducer = packet, work, reducer
         self._per_param, self._has_moments, self._skipped = per_param, has_moments, skipped
+        self._has_momentum = has_momentum
         self._result: Optional[StepNorms] = None
 
     def wait(self) -> StepNorms:
@@ -80,14 +88,15 @@ class PendingStepNorms:
             n = self._reducer.num_slots(self._per_param)
             norms = [PendingNorms(part, Done(), slots).wait() for part in self._packet.split(n)]
             weights, grads, updates = norms[:3]
-            exp_avg, exp_avg_sq = norms[3:] if self._has_moments else (None, None)
+            exp_avg, exp_avg_sq = norms[3:5] if self._has_moments else (None, None)
+            momentum = norms[-1] if self._has_momentum else None
             ratio = None
             if weights.per_layer is not None and updates.per_layer is not None:
                 w, u = weights.per_layer, updates.per_layer
                 assert isinstance(w, NamedNorms) and isinstance(u, NamedNorms)
                 ratio = NamedNorms(w._index, u.vector / w.vector)
             self._result = StepNorms(
-                weights, grads, updates, exp_avg, exp_avg_sq, ratio, self._skipped
+                weights, grads, updates, exp_avg, exp_avg_sq, ratio, self._skipped, momentum
             )
         return self._result
 
@@ -113,8 +122,10 @@ class StepMeasurement:
         self._grads: Optional[torch.Tensor] = None
         self._stepped = False
 
-    def around(self) -> ContextManager[None]:
-        """The step runs inside (:func:`~norm_optim._megatron.step_state.step_hooks`)."""
+    @contextlib.contextmanager
+    def around(self) -> Iterator[None]:
+        """The step runs inside (:func:`~norm_optim._megatron.step_state.step_hooks`, and the
+        in-step readers of the leaves whose updates are read there)."""
 
         def grads_ready() -> None:
             self._grads = self._grad_squares()
@@ -122,7 +133,8 @@ class StepMeasurement:
         def step_taken() -> None:
             self._stepped = True
 
-        return step_hooks(self.optimizer, grads_ready, step_taken)
+        with step_hooks(self.optimizer, grads_ready, step_taken), self.state.around_step():
+            yield
 
     def launch(self) -> PendingStepNorms:
         """After the step: the local sums of every quantity, then one all-reduce of them all."""
@@ -141,10 +153,22 @@ class StepMeasurement:
             ]
             exp_avg, exp_avg_sq = ([m[i] for m in moments] for i in (0, 1))
             parts.append(reducer.local_squares(exp_avg, exp_avg_sq, per_param=per_param))
+        if state.has_momentum:
+            momentum = [
+                state.momentum(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
+                for r in records
+            ]
+            parts.append(reducer.local_squares(momentum, per_param=per_param))
         packet = torch.cat(parts)
         work = reducer.comm.all_reduce_sum(packet, reducer.group, True)
         return PendingStepNorms(
-            packet, work, reducer, per_param, state.has_moments, skipped=not self._stepped
+            packet,
+            work,
+            reducer,
+            per_param,
+            state.has_moments,
+            skipped=not self._stepped,
+            has_momentum=state.has_momentum,
         )
 
     def _grad_squares(self) -> torch.Tensor:
@@ -179,6 +203,10 @@ class StepMeasurement:
         batch = 0
         for record, slot in zip(self._counted, reducer.counted_slots(per_param)):
             if record.source.is_frozen:
+                continue
+            read = self.state.update_squares(record.tensor, record.name)  # type: ignore[arg-type]
+            if read is not None:  # read in-step (Muon): already its sum of squares
+                squares[slot] += read.to(squares.device)
                 continue
             for piece in self.state.update_pieces(record.tensor, record.name):  # type: ignore[arg-type]
                 pieces.append(piece)

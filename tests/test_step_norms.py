@@ -686,15 +686,15 @@ def _refused(kind: str) -> str:
 
         chunks = build_fsdp_model(SMALL, version=2)
     else:
-        chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon", seed=SEED)
+        chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon-lion", seed=SEED)
     if kind == "megatron-fsdp-v2":
         inner = build_optimizer(chunks, use_distributed_optimizer=False)
     elif kind == "precision-aware":
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
-    elif kind == "muon":
-        inner = build_optimizer(chunks, optimizer="muon")
+    elif kind == "muon-lion":  # Muon reads (test_step_norms_muon.py); Lion for the rest not
+        inner = build_optimizer(chunks, optimizer="muon", muon_scalar_optimizer="lion")
     elif kind in FUSED_REFUSED:
         from tests.support import fused_adam_standin as standins
 
@@ -719,8 +719,8 @@ def _refused(kind: str) -> str:
     [
         ("precision-aware", "precision-aware"),
         pytest.param(
-            "muon",
-            "Muon",
+            "muon-lion",
+            "Lion",
             marks=pytest.mark.skipif(
                 not (megatron_at_least(0, 19) and importlib.util.find_spec("emerging_optimizers")),
                 reason="Muon in get_megatron_optimizer needs megatron-core >= 0.19 and "

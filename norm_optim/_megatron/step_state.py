@@ -38,6 +38,7 @@ from .._versions import megatron_core_version_string
 from .fsdp_v2 import is_megatron_fsdp_v2
 from .holdings import leaves
 from .mimo import is_mimo
+from .orthogonalized import MOMENTUM, InStepUpdates, is_orthogonalized, unread_step
 
 # Elements per piece of the derived update (fp32: 64 KiB): with its temporaries, the most
 # the derivation allocates at once, whatever the tensor sizes.
@@ -98,7 +99,7 @@ class _Entry:
     group: dict
     optimizer: Any  # the inner torch optimizer
     param: torch.Tensor  # what it steps (a DTensor under torch FSDP2)
-    kind: str  # "adam" (torch's), "fused_adam" (apex's / TE's) or "sgd"
+    kind: str  # "adam" (torch's), "fused_adam" (apex's / TE's), "sgd" or "orthogonalized"
     grad_of: Optional[torch.Tensor] = None  # whose .grad is the step's, if not param's
 
     @property
@@ -120,11 +121,48 @@ class StepState:
     Built at an armed step (O(params)); holds references only, no copy.
     """
 
-    def __init__(self, entries: dict[int, _Entry], has_moments: bool) -> None:
+    def __init__(
+        self,
+        entries: dict[int, _Entry],
+        has_moments: bool,
+        has_momentum: bool = False,
+        in_step: Optional[list[InStepUpdates]] = None,
+    ) -> None:
         self._entries = entries
         self.has_moments = has_moments
         """Whether the optimizer keeps Adam moments (same answer on every rank: from its
         config and kind, not from which state this rank holds)."""
+        self.has_momentum = has_momentum
+        """Whether a leaf is Muon or another orthogonalized optimizer, whose momentum buffer
+        step norms report (same answer on every rank, as ``has_moments``)."""
+        self._in_step = in_step or []
+
+    @contextlib.contextmanager
+    def around_step(self) -> Iterator[None]:
+        """The step runs inside: the updates that are read in-step (Muon's) are read."""
+        with contextlib.ExitStack() as stack:
+            for reader in self._in_step:
+                stack.enter_context(reader.around_step())
+            yield
+
+    def update_squares(self, tensor: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+        """The float64 sum of squares of ``tensor``'s update where it was read in-step (0-dim),
+        else None (its update is derived by :meth:`update_pieces`). A tensor the in-step
+        reader never saw was not stepped (no grad): zero."""
+        entry = self._entry(tensor, name)
+        if entry.kind != "orthogonalized":
+            return None
+        reader = next(r for r in self._in_step if r.optimizer is entry.optimizer)
+        found = reader.squares.get(id(entry.param))
+        return found if found is not None else torch.zeros((), dtype=torch.float64)
+
+    def momentum(self, tensor: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+        """Muon's momentum buffer of ``tensor`` after the step (None for other rules, or before
+        its first step)."""
+        entry = self._entry(tensor, name)
+        if entry.kind != "orthogonalized":
+            return None
+        return entry.state.get(MOMENTUM)
 
     def _entry(self, tensor: torch.Tensor, name: str) -> _Entry:
         entry = self._entries.get(id(tensor))
@@ -165,7 +203,7 @@ class StepState:
     def moments(self, tensor: torch.Tensor, name: str) -> tuple[Optional[torch.Tensor], ...]:
         """``(exp_avg, exp_avg_sq)`` of an Adam-stepped tensor (None where there is no state)."""
         entry = self._entry(tensor, name)
-        if entry.kind == "sgd":
+        if entry.kind in ("sgd", "orthogonalized"):
             return None, None
         return entry.state.get("exp_avg"), entry.state.get("exp_avg_sq")
 
@@ -180,7 +218,7 @@ class StepState:
         """
         entry = self._entry(tensor, name)
         group, state, grad = entry.group, entry.state, entry.grad
-        if grad is None:
+        if grad is None or entry.kind == "orthogonalized":  # the latter: read in-step
             return
         lr = float(group["lr"])
         wd = float(group.get("weight_decay", 0.0))
@@ -249,7 +287,8 @@ def read_step_state(optimizer: Any) -> StepState:
     version = megatron_core_version_string()
     _refuse_containers(optimizer, version)
     entries: dict[int, _Entry] = {}
-    has_moments = False
+    has_moments = has_momentum = False
+    in_step: list[InStepUpdates] = []
     members = [optimizer]
     if is_mimo(optimizer):
         # A MimoOptimizer steps its active modules' optimizers through its own prepare_grads /
@@ -266,14 +305,19 @@ def read_step_state(optimizer: Any) -> StepState:
         )
         config = getattr(leaf, "config", None)
         if inner is None:  # a stub: this rank holds nothing; the config says the kind
-            has_moments |= getattr(config, "optimizer", "adam") == "adam"
+            configured = getattr(config, "optimizer", "adam")
+            has_moments |= configured == "adam"
+            has_momentum |= "muon" in configured
             continue
         _refuse_leaf(leaf, inner, config, version)
+        if is_orthogonalized(inner):
+            has_momentum = True
+            in_step.append(InStepUpdates(inner))
         for held, optimizer, group, param, grad_of in _stepped(inner):
             kind = _kind(optimizer)
-            has_moments |= kind != "sgd"
+            has_moments |= kind in ("adam", "fused_adam")
             entries[id(held)] = _Entry(group, optimizer, param, kind, grad_of)
-    return StepState(entries, has_moments)
+    return StepState(entries, has_moments, has_momentum, in_step)
 
 
 def _stepped(
@@ -315,6 +359,8 @@ def _kind(optimizer: Any) -> str:
     """How ``update_pieces`` reads a torch optimizer ``_refuse_leaf`` accepted."""
     if type(optimizer) is torch.optim.SGD:
         return "sgd"
+    if is_orthogonalized(optimizer):
+        return "orthogonalized"
     if any(_qualified(optimizer) == name for name, _ in _FUSED_ADAM_FLAGS):
         return "fused_adam"
     return "adam"
@@ -393,13 +439,19 @@ def _refuse_leaf(leaf: Any, inner: Any, config: Any, version: str) -> None:
         return
     if _refuse_fused_adam(inner, version):
         return
+    if is_orthogonalized(inner):
+        why = unread_step(inner)
+        if why is not None:
+            raise _refuse(inner_name, version, why)
+        return
     if type(inner) not in (*_ADAM, torch.optim.SGD):
         raise _refuse(
             inner_name,
             version,
-            "its update rule is not one norm_optim derives (torch.optim.Adam, AdamW, SGD, "
-            "apex's and TE's FusedAdam): Muon and the emerging optimizers (orthogonalized "
-            "momentum), the fused SGDs are not read yet",
+            "its update rule is not one norm_optim reads (torch.optim.Adam, AdamW, SGD, "
+            "apex's and TE's FusedAdam, Muon and the other orthogonalized emerging "
+            "optimizers): the other emerging optimizers (SOAP, Lion, ...), the fused SGDs are "
+            "not read yet",
         )
 
 
