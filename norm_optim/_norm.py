@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from ._name_exchange import exchange_names
 from ._megatron.naming import expert_of, layer_of, natural_key
 from ._registry import ParamRecord, ParamRegistry
 from ._vocabulary import NotCounted
+
+T = TypeVar("T")
 
 DENSE, EXPERT = 0, 1
 """Slots of the dense and expert sums of squares at the head of every reduced vector; per-param
@@ -228,6 +230,15 @@ class NormReducer:
         self.names = names
         self._slots: Optional[_PerParamSlots] = None
         self._kinds = torch.empty(0, dtype=torch.long)
+        self._step_plans: dict[bool, Any] = {}
+
+    def step_plan(self, per_param: bool, build: Callable[["NormReducer", bool], T]) -> T:
+        """The step plan of this registry (:class:`norm_optim._step.StepPlan`), built by
+        ``build`` at the first armed step and kept as long as the registry."""
+        plan = self._step_plans.get(per_param)
+        if plan is None:
+            plan = self._step_plans[per_param] = build(self, per_param)
+        return plan
 
     def launch(self, per_param: bool = False, async_op: bool = False) -> PendingNorms:
         """Start the sums and the single all-reduce; return a handle to the result."""

@@ -16,7 +16,7 @@ import torch
 
 from ._comm import Communicator
 from ._kernels import Summand
-from ._megatron import Declarations, HeldParam, read_model
+from ._megatron import Declarations, HeldParam, OptimizerDescriptor, read_model
 from ._ownership import Copies, RankCoords, why_not_counted
 from ._vocabulary import NotCounted, Source, SplitFrom
 
@@ -118,6 +118,9 @@ class ParamRegistry:
         ]
         self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
         self.chunks: Optional[list[torch.nn.Module]] = reading.chunks
+        # One record per leaf optimizer (kind, holdings, rule, moments, copy groups): what step
+        # norms and the audit read, built once with the registry.
+        self.descriptor: OptimizerDescriptor = reading.descriptor
 
     def __iter__(self) -> Iterator[ParamRecord]:
         return iter(self.records)

@@ -3,30 +3,30 @@
 :class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer: the adapter's
 :func:`~norm_optim._megatron.step_state.step_hooks` calls it back once the grads are ready
 (unscaled, before Megatron clips them in place) and when the step is taken (a skipped step never
-is). After the step, the weights, the updates (derived from the optimizer's state:
-:mod:`norm_optim._megatron.step_state`) and the Adam moments are summed over the same slots, and
-the five vectors travel as one packet.
+is). After the step, the weights, the updates (derived from the optimizer's state by each leaf's
+rule: :mod:`norm_optim._megatron.rules`) and the Adam moments are summed over the same slots,
+and the five vectors travel as one packet.
 
-An unarmed step never reaches this module.
+What is known before any step (which tensor each counted record is, its rule, the scratch
+layout of the derived updates) is a :class:`StepPlan`, built once per registry from its
+descriptor and reused by every armed step. An unarmed step never reaches this module.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, Optional
+from collections.abc import Iterator, Sequence
+from typing import Any, ContextManager, Optional
 
 import torch
 
 from ._comm import Done, Work
-from ._errors import NormOptimError
-from ._megatron.step_state import StepState, read_step_state, step_hooks
-from ._kernels import SumOfSquaresPlan
+from ._errors import NormOptimError, UnsupportedOptimizerError
+from ._kernels.chunks import ChunkedSquares
+from ._megatron.rules import Stepped, UpdateRule
+from ._megatron.step_state import step_hooks
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
-
-# Elements of derived updates summed per kernel plan (fp32: 128 KiB alive at once).
-UPDATE_BATCH = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +42,9 @@ class StepNorms:
         update_to_weight: per layer, ``updates.per_layer / weights.per_layer`` (None without
             ``per_param``).
         skipped: the optimizer skipped the step (fp16 overflow, or a grad-norm threshold).
-        momentum: the momentum buffer of Muon (and the other orthogonalized emerging
-            optimizers) after the step, over the params they step (zero for the others, which
-            the Adam moments cover); None when no leaf is one.
+        momentum: the momentum buffer of Muon (and AdaptiveMuon) after the step, over the params
+            they step (zero for the others, whose Adam moments are ``exp_avg``, ``exp_avg_sq``);
+            None when no leaf keeps one.
     """
 
     weights: ParamNorms
@@ -101,6 +101,114 @@ class PendingStepNorms:
         return self._result
 
 
+class StepPlan:
+    """What every armed step of one registry reads, built once from its descriptor.
+
+    Refuses, by name, a layout or a leaf whose step cannot be read (the same on every rank), and
+    a counted tensor that no optimizer steps or that is not fp32.
+
+    Args:
+        reducer: the wrapper's reducer (records, slots).
+        per_param: the slots of per-param norms (else total / dense / expert).
+    """
+
+    def __init__(self, reducer: NormReducer, per_param: bool) -> None:
+        descriptor = reducer.registry.descriptor
+        descriptor.refuse_step()
+        self.has_moments = descriptor.has_moments
+        self.has_momentum = descriptor.has_momentum
+        records = reducer.registry.counted
+        self.entries: list[Optional[Stepped]] = []
+        for record in records:
+            if record.source.is_frozen:
+                self.entries.append(None)
+                continue
+            entry = descriptor.stepped(record.tensor)
+            if entry is None:
+                raise UnsupportedOptimizerError(
+                    f"the fp32 tensor norm_optim holds for {record.name!r} is not a tensor the "
+                    "inner optimizer steps (a padded or re-encoded shard?): its step cannot be "
+                    "read exactly"
+                )
+            if entry.held.dtype != torch.float32:
+                raise UnsupportedOptimizerError(
+                    f"{record.name!r} is stepped as a {entry.held.dtype} tensor: step norms "
+                    "derive updates on fp32 tensors only (its rounding would dominate the update)"
+                )
+            self.entries.append(entry)
+        self.names = [r.name for r in records]
+        slots = reducer.counted_slots(per_param)
+        # Updates read during the step (Muon's) are summed there; the others derived after it.
+        self._in_step = [
+            (e, slots[i]) for i, e in enumerate(self.entries) if e is not None and e.rule.in_step
+        ]
+        self._updated = [
+            i for i, e in enumerate(self.entries) if e is not None and not e.rule.in_step
+        ]
+        self.updates = ChunkedSquares(
+            [self.entries[i].held.numel() for i in self._updated],  # type: ignore[union-attr]
+            [slots[i] for i in self._updated],
+            reducer.num_slots(per_param),
+            reducer.device,
+        )
+
+    def check(self) -> None:
+        """Refuse, before the step, a tensor whose step cannot be read now (its state)."""
+        for entry, name in zip(self.entries, self.names):
+            if entry is not None:
+                why = entry.rule.check(entry)
+                if why is not None:
+                    raise UnsupportedOptimizerError(f"{name!r}: {why}")
+
+    def grads(self) -> list[Optional[torch.Tensor]]:
+        return [None if e is None else e.grad for e in self.entries]
+
+    def around_step(self) -> ContextManager[None]:
+        """The step runs inside: each in-step rule reads its tensors' updates."""
+        stack = contextlib.ExitStack()
+        by_rule: dict[int, tuple[UpdateRule, list[Stepped]]] = {}
+        for entry, _ in self._in_step:
+            by_rule.setdefault(id(entry.rule), (entry.rule, []))[1].append(entry)
+        for rule, entries in by_rule.values():
+            stack.enter_context(rule.around_step(entries))
+        return stack
+
+    def momentum(self) -> list[Optional[torch.Tensor]]:
+        """Each tensor's momentum buffer (Muon's; None for the other rules)."""
+        return [
+            None if e is None or e.rule.momentum is None else e.state.get(e.rule.momentum)
+            for e in self.entries
+        ]
+
+    def moments(self) -> tuple[list[Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
+        pairs = [(None, None) if e is None else e.rule.moment_tensors(e) for e in self.entries]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def add_update_squares(self, out: torch.Tensor) -> None:
+        """Add the derived updates' sums of squares into ``out`` (right after the step)."""
+
+        def produce(items: Sequence[int], places: Sequence[torch.Tensor]) -> list[float]:
+            factors = [0.0] * len(items)
+            by_rule: dict[int, tuple[UpdateRule, list[int]]] = {}
+            for k, item in enumerate(items):
+                entry = self.entries[self._updated[item]]
+                assert entry is not None
+                if entry.rule.stepped(entry):
+                    by_rule.setdefault(id(entry.rule), (entry.rule, []))[1].append(k)
+                else:  # not stepped (no grad): no update
+                    places[k].zero_()
+            for rule, ks in by_rule.values():
+                entries = [self.entries[self._updated[items[k]]] for k in ks]
+                views = [places[k].view(e.held.shape) for k, e in zip(ks, entries)]  # type: ignore[union-attr]
+                for k, f in zip(ks, rule.write_updates(entries, views)):  # type: ignore[arg-type]
+                    factors[k] = f
+            return factors
+
+        self.updates(produce, out)
+        for entry, slot in self._in_step:
+            out[slot] += entry.rule.update_squares(entry).to(out.device)
+
+
 class StepMeasurement:
     """One armed step: arm (checks, names exchange), run the step inside :meth:`around`, then
     :meth:`launch` the packet.
@@ -113,11 +221,8 @@ class StepMeasurement:
 
     def __init__(self, reducer: NormReducer, optimizer: Any, per_param: bool) -> None:
         self.reducer, self.optimizer, self.per_param = reducer, optimizer, per_param
-        self.state: StepState = read_step_state(optimizer)
-        self._counted = reducer.registry.counted
-        for record in self._counted:  # refuse now, before the step, not after it
-            if not record.source.is_frozen:
-                self.state.check(record.tensor, record.name)  # type: ignore[arg-type]
+        self.plan = reducer.step_plan(per_param, StepPlan)
+        self.plan.check()  # refuse now, before the step, not after it
         reducer.num_slots(per_param)  # builds the per-param slots (the names exchange) now
         self._grads: Optional[torch.Tensor] = None
         self._stepped = False
@@ -125,7 +230,7 @@ class StepMeasurement:
     @contextlib.contextmanager
     def around(self) -> Iterator[None]:
         """The step runs inside (:func:`~norm_optim._megatron.step_state.step_hooks`, and the
-        in-step readers of the leaves whose updates are read there)."""
+        in-step rules' readers)."""
 
         def grads_ready() -> None:
             self._grads = self._grad_squares()
@@ -133,7 +238,7 @@ class StepMeasurement:
         def step_taken() -> None:
             self._stepped = True
 
-        with step_hooks(self.optimizer, grads_ready, step_taken), self.state.around_step():
+        with step_hooks(self.optimizer, grads_ready, step_taken), self.plan.around_step():
             yield
 
     def launch(self) -> PendingStepNorms:
@@ -143,22 +248,12 @@ class StepMeasurement:
                 f"{type(self.optimizer).__name__}.step() did not call prepare_grads(): the "
                 "grads of this step could not be read"
             )
-        reducer, per_param, records = self.reducer, self.per_param, self._counted
-        state = self.state
+        reducer, per_param, plan = self.reducer, self.per_param, self.plan
         parts = [reducer.local_weight_squares(per_param), self._grads, self._update_squares()]
-        if state.has_moments:
-            moments = [
-                state.moments(r.tensor, r.name) if not r.source.is_frozen else (None, None)  # type: ignore[arg-type]
-                for r in records
-            ]
-            exp_avg, exp_avg_sq = ([m[i] for m in moments] for i in (0, 1))
-            parts.append(reducer.local_squares(exp_avg, exp_avg_sq, per_param=per_param))
-        if state.has_momentum:
-            momentum = [
-                state.momentum(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
-                for r in records
-            ]
-            parts.append(reducer.local_squares(momentum, per_param=per_param))
+        if plan.has_moments:
+            parts.append(reducer.local_squares(*plan.moments(), per_param=per_param))
+        if plan.has_momentum:
+            parts.append(reducer.local_squares(plan.momentum(), per_param=per_param))
         packet = torch.cat(parts)
         work = reducer.comm.all_reduce_sum(packet, reducer.group, True)
         return PendingStepNorms(
@@ -166,55 +261,23 @@ class StepMeasurement:
             work,
             reducer,
             per_param,
-            state.has_moments,
+            plan.has_moments,
             skipped=not self._stepped,
-            has_momentum=state.has_momentum,
+            has_momentum=plan.has_momentum,
         )
 
     def _grad_squares(self) -> torch.Tensor:
-        grads = [
-            self.state.grad(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
-            for r in self._counted
-        ]
-        return self.reducer.local_squares(grads, per_param=self.per_param)
+        return self.reducer.local_squares(self.plan.grads(), per_param=self.per_param)
 
     def _update_squares(self) -> torch.Tensor:
-        """Sums of squares of the derived updates (zero for a skipped step).
-
-        The pieces the adapter derives are summed by the same kernels as everything else, a
-        batch of about ``UPDATE_BATCH`` elements per one-shot plan: the batch is all the update
-        memory alive at once, whatever the model size.
-        """
+        """Sums of squares of the derived updates (zero for a skipped step), a few list
+        operations per chunk of the plan's scratch (:class:`~norm_optim._kernels.chunks.
+        ChunkedSquares`): the scratch is all the update memory alive at once."""
         reducer, per_param = self.reducer, self.per_param
         squares = torch.zeros(
             reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
         )
         if not self._stepped:
             return squares
-        pieces: list[torch.Tensor] = []
-        slots: list[int] = []
-
-        def flush() -> None:
-            plan = SumOfSquaresPlan(pieces, slots, len(squares), out_device=reducer.device)
-            squares.add_(plan())
-            pieces.clear()
-            slots.clear()
-
-        batch = 0
-        for record, slot in zip(self._counted, reducer.counted_slots(per_param)):
-            if record.source.is_frozen:
-                continue
-            read = self.state.update_squares(record.tensor, record.name)  # type: ignore[arg-type]
-            if read is not None:  # read in-step (Muon): already its sum of squares
-                squares[slot] += read.to(squares.device)
-                continue
-            for piece in self.state.update_pieces(record.tensor, record.name):  # type: ignore[arg-type]
-                pieces.append(piece)
-                slots.append(slot)
-                batch += piece.numel()
-                if batch >= UPDATE_BATCH:
-                    flush()
-                    batch = 0
-        if pieces:
-            flush()
+        self.plan.add_update_squares(squares)
         return reducer.fold(squares) if per_param else squares

@@ -158,6 +158,7 @@ class NormAwareOptimizer:
             registry.chunks,
             [r.param for r in registry],
             state.pg_collection,
+            registry.descriptor,
         )
         return run_audit(registry.records, layout, state.comm, state.group)
 

@@ -5,9 +5,14 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 
 - :mod:`.holdings` — :class:`Holding` (what a leaf holds for a model param, and over which
   group) and :func:`leaves`, shared by the readers below.
+- :mod:`.descriptor` — one record per leaf optimizer (kind, holdings, where its grads are, its
+  update rule or the reason there is none, its moments, its copy group), built once with the
+  registry: holdings, step norms and the audit read it.
+- :mod:`.rules` — the update rules step norms derive, one class per optimizer class, and the
+  table of builders by class (a new optimizer: one rule, one entry).
 - :mod:`.optimizers` — what each optimizer kind holds for each model param: chained,
   distributed (incl. precision-aware and CPU offload), Float16, FP32, layer-wise, plain torch;
-  kinds it cannot read are refused by class, with the version.
+  kinds it cannot read are refused by class, with the version; it builds the descriptors.
 - :mod:`.fsdp` — Megatron-FSDP: its fp32 main-weight shards in its buffers, and the DTensor
   stand-ins it swaps into the module (:func:`model_param` maps them back).
 - :mod:`.dtensor` — torch FSDP2 and other DTensor params: local shards and the replicating
@@ -35,6 +40,7 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 """
 
 from .audit import AuditLayout, audit_layout
+from .descriptor import LeafDescriptor, OptimizerDescriptor
 from .declarations import Declaration, Declarations, read_declarations
 from .holdings import Holding, leaves
 from .optimizers import fingerprint, where
@@ -47,6 +53,8 @@ __all__ = [
     "Declaration",
     "Declarations",
     "HeldParam",
+    "LeafDescriptor",
+    "OptimizerDescriptor",
     "Holding",
     "audit_layout",
     "ModelReading",

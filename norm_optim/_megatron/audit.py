@@ -18,8 +18,8 @@ from .._comm import Communicator, ProcessGroup
 from .._errors import UnsupportedOptimizerError
 from .dtensor import is_dtensor
 from .fsdp import is_megatron_fsdp, weight_shards
-from .fsdp_v2 import is_megatron_fsdp_v2
-from .mimo import is_mimo
+from .descriptor import OptimizerDescriptor
+from .model import describe
 from .parallel_state import _gtp_group, _without_gtp_remat
 
 
@@ -71,13 +71,17 @@ def audit_layout(
     chunks: Optional[Sequence[torch.nn.Module]],
     params: Sequence[torch.nn.Parameter],
     pg_collection: Any = None,
+    descriptor: Optional[OptimizerDescriptor] = None,
 ) -> AuditLayout:
     """This rank's :class:`AuditLayout`; O(params), no collective.
 
     Raises :class:`~norm_optim.UnsupportedOptimizerError` naming a layout whose copies it
-    cannot compare yet (MIMO, Megatron-FSDP v2).
+    cannot compare yet (MIMO, Megatron-FSDP v2: the optimizer's descriptor says which; built
+    here when not given).
     """
-    refuse_unaudited(comm, optimizer, params)
+    if descriptor is None:
+        descriptor = describe(optimizer, comm)
+    refuse_unaudited(descriptor)
     gathering = frozenset(_gathering(chunks or []))
     tied_params = frozenset(
         id(p)
@@ -131,13 +135,10 @@ def audit_layout(
     )
 
 
-def refuse_unaudited(comm: Communicator, optimizer: Any, params: Sequence[Any]) -> None:
-    """Refuse, by name, a layout whose copies the audit does not compare yet."""
-    why = None
-    if is_mimo(optimizer):
-        why = "a MimoOptimizer (each module's own process groups)"
-    elif is_megatron_fsdp_v2(optimizer):
-        why = "Megatron-FSDP v2 (its weights live in its parameter groups' flat buffers)"
+def refuse_unaudited(descriptor: OptimizerDescriptor) -> None:
+    """Refuse, by name, a layout whose copies the audit does not compare yet (its descriptor
+    says which)."""
+    why = descriptor.audit_refusal
     if why is not None:
         raise UnsupportedOptimizerError(
             f"audit() does not compare the copies of {why} yet: param_l2_norm() works there; "

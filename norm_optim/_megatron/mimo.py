@@ -27,7 +27,8 @@ from .._errors import ParallelStateError, UnsupportedOptimizerError
 from .._ownership import RankCoords
 from .fsdp import model_param
 from .holdings import Holding
-from .optimizers import read_optimizer_holdings
+from .descriptor import LeafDescriptor, OptimizerDescriptor, describe_leaf
+from .optimizers import describe_optimizer
 from .parallel_state import coords_from_pg_collection
 
 
@@ -37,14 +38,37 @@ def is_mimo(optimizer: Any) -> bool:
     return hasattr(optimizer, "module_infos") and hasattr(optimizer, "_active_optimizers")
 
 
-def read_mimo(optimizer: Any, comm: Communicator) -> Iterator[Holding]:
-    """Every :class:`Holding` of this rank's active modules, each with its module's coords."""
+def describe_mimo(optimizer: Any, comm: Communicator) -> OptimizerDescriptor:
+    """The descriptor of a ``MimoOptimizer``: its active modules' leaves, and every
+    :class:`Holding` of this rank's active modules, each with its module's coords. A rank may run
+    none of them: then one stub leaf of its config says whether the step keeps moments."""
+    holdings: list[Holding] = []
+    described: list[LeafDescriptor] = [describe_leaf(_ConfigOnly(optimizer.config), "stub")]
     for name, info in sorted(optimizer.module_infos.items()):
         if not info.is_active or info.optimizer is None:
             continue  # not this rank's module (or a fully frozen one): nothing held here
         coords = _module_coords(name, info.pg_collection, comm)
-        for holding in read_optimizer_holdings(info.optimizer, comm):
-            yield dataclasses.replace(holding, coords=coords)
+        module = describe_optimizer(info.optimizer, comm)
+        described.extend(module.leaves)
+        holdings.extend(dataclasses.replace(h, coords=coords) for h in module.holdings)
+    return OptimizerDescriptor(
+        tuple(described),
+        tuple(holdings),
+        audit_refusal="a MimoOptimizer (each module's own process groups)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConfigOnly:
+    """A leaf that holds nothing, with the MimoOptimizer's config (what every rank knows)."""
+
+    config: Any
+    optimizer: Any = None
+
+
+def read_mimo(optimizer: Any, comm: Communicator) -> Iterator[Holding]:
+    """Every :class:`Holding` of this rank's active modules, each with its module's coords."""
+    yield from describe_mimo(optimizer, comm).holdings
 
 
 def mimo_param_coords(

@@ -22,9 +22,10 @@ from .declarations import Declarations
 from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
 from .holdings import Holding
-from .mimo import is_mimo, mimo_param_coords, read_mimo
+from .descriptor import OptimizerDescriptor
+from .mimo import describe_mimo, is_mimo, mimo_param_coords
 from .naming import global_param_names
-from .optimizers import read_optimizer_holdings
+from .optimizers import describe_optimizer
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
 
 
@@ -74,6 +75,7 @@ class ModelReading:
     params: list[HeldParam]
     chunks: Optional[list[torch.nn.Module]]
     declarations: Declarations
+    descriptor: OptimizerDescriptor
 
 
 def model_chunks(optimizer: Any, model: Any) -> Optional[list[torch.nn.Module]]:
@@ -92,12 +94,12 @@ def model_chunks(optimizer: Any, model: Any) -> Optional[list[torch.nn.Module]]:
     return chunks
 
 
-def read_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
-    """Every :class:`Holding` of ``optimizer``, in optimizer order (a MIMO optimizer's: its
-    modules', each with its module's coordinates)."""
+def describe(optimizer: Any, comm: Communicator) -> OptimizerDescriptor:
+    """The :class:`~.descriptor.OptimizerDescriptor` of ``optimizer`` (a MIMO optimizer's: its
+    modules' leaves, its holdings each with its module's coordinates)."""
     if is_mimo(optimizer):
-        return list(read_mimo(optimizer, comm))
-    return read_optimizer_holdings(optimizer, comm)
+        return describe_mimo(optimizer, comm)
+    return describe_optimizer(optimizer, comm)
 
 
 def named_model_params(
@@ -126,7 +128,8 @@ def read_model(
     a layout whose copies no rule can count exactly, each naming the param and the reason.
     """
     chunks = model_chunks(optimizer, model)
-    holdings = read_holdings(optimizer, comm)
+    descriptor = describe(optimizer, comm)
+    holdings = descriptor.holdings
     by_param = _by_param(holdings)
     structure = ModelStructure.of(chunks)
     if chunks is None:
@@ -161,7 +164,7 @@ def read_model(
             f"the optimizer holds {len(by_param)} params that are not in the given model (first "
             f"shapes: {shapes}): pass the model chunks the optimizer was built for"
         )
-    return ModelReading(params, chunks, structure.declarations)
+    return ModelReading(params, chunks, structure.declarations, descriptor)
 
 
 def _by_param(holdings: Sequence[Holding]) -> dict[int, Holding]:

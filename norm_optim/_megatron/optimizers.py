@@ -27,6 +27,12 @@ from .._vocabulary import Source
 from .dtensor import local_holding
 from .fsdp import is_megatron_fsdp, read_megatron_fsdp
 from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
+from .descriptor import (
+    LeafDescriptor,
+    OptimizerDescriptor,
+    describe_leaf,
+    step_refusal,
+)
 from .holdings import Holding, leaves
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
@@ -42,18 +48,39 @@ class _Context:
     expert_assignment: Optional[frozenset[int]] = None
     # Global ranks of a process group, through the communication seam.
     group_ranks: Callable[[Any], frozenset[int]] = lambda group: frozenset({0})
+    # The leaves described so far, in optimizer order (each leaf reader appends its own).
+    described: list[LeafDescriptor] = dataclasses.field(default_factory=list)
+
+
+def describe_optimizer(optimizer: Any, comm: Communicator) -> OptimizerDescriptor:
+    """The :class:`~.descriptor.OptimizerDescriptor` of ``optimizer``: one record per leaf, and
+    every :class:`Holding` in optimizer order, DTensors (torch FSDP2) as their local shards with
+    their mesh facts (:mod:`.dtensor`). One optimizer over one set of process groups: a
+    ``MimoOptimizer``'s modules are read one level up (:mod:`.mimo`)."""
+    if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
+        why = "its grads and main weights are slices of its flat buffers, not read yet"
+        return OptimizerDescriptor(
+            tuple(describe_leaf(leaf, "megatron-fsdp-v2") for leaf in leaves(optimizer)),
+            tuple(read_megatron_fsdp_v2(optimizer, comm.group_ranks)),
+            step_refusal=step_refusal("Megatron-FSDP v2 optimizer (FullyShardedOptimizer)", why),
+            audit_refusal="Megatron-FSDP v2 (its weights live in its parameter groups' flat "
+            "buffers)",
+        )
+    if is_megatron_fsdp(optimizer):
+        # v1 steps DTensors whose local shards are the registry's fp32 views of its buffers,
+        # with DTensor grads: read like torch FSDP2.
+        return OptimizerDescriptor(
+            tuple(describe_leaf(leaf, "megatron-fsdp") for leaf in leaves(optimizer)),
+            tuple(read_megatron_fsdp(optimizer, comm.group_ranks)),
+        )
+    ctx = _Context(group_ranks=comm.group_ranks)
+    holdings = tuple(_read(optimizer, ctx))
+    return OptimizerDescriptor(tuple(ctx.described), holdings)
 
 
 def read_optimizer_holdings(optimizer: Any, comm: Communicator) -> list[Holding]:
-    """Every :class:`Holding` of ``optimizer`` and its leaves, in optimizer order; DTensors (torch
-    FSDP2) as their local shards, with their mesh facts (:mod:`.dtensor`). One optimizer over one
-    set of process groups: a ``MimoOptimizer``'s modules are read one level up (:mod:`.model`)."""
-    if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
-        return list(read_megatron_fsdp_v2(optimizer, comm.group_ranks))
-    if is_megatron_fsdp(optimizer):
-        return list(read_megatron_fsdp(optimizer, comm.group_ranks))
-    holdings = _read(optimizer, _Context(group_ranks=comm.group_ranks))
-    return [local_holding(holding) for holding in holdings]
+    """Every :class:`Holding` of ``optimizer`` (its descriptor's), in optimizer order."""
+    return list(describe_optimizer(optimizer, comm).holdings)
 
 
 def fingerprint(optimizer: Any) -> tuple:
@@ -109,7 +136,14 @@ def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     for matches, reader in _READERS:
         if matches(optimizer):
             try:
-                yield from reader(optimizer, ctx)
+                if reader is _read_chained:
+                    yield from reader(optimizer, ctx)
+                    return
+                held = [local_holding(holding) for holding in reader(optimizer, ctx)]
+                kind = _KINDS[reader.__name__]
+                group = getattr(optimizer, "data_parallel_group", None)
+                ctx.described.append(describe_leaf(optimizer, kind, held, group))
+                yield from held
             except AttributeError as error:
                 # A megatron-core release that renamed what this reader relies on.
                 raise UnsupportedOptimizerError(
@@ -174,8 +208,10 @@ def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield _whole(
-                        param, None, Source.ASSIGNED_ELSEWHERE, ctx, type(optimizer).__name__
+                    yield local_holding(
+                        _whole(
+                            param, None, Source.ASSIGNED_ELSEWHERE, ctx, type(optimizer).__name__
+                        )
                     )
 
 
@@ -308,6 +344,14 @@ _REFUSED: tuple[tuple[Callable[[Any], bool], str], ...] = (
         "groups, which norm_optim reads when the MimoOptimizer itself is wrapped",
     ),
 )
+
+# The descriptor's kind of each leaf reader.
+_KINDS = {
+    "_read_nothing": "stub",
+    "_read_distributed": "distributed",
+    "_read_float16": "float16",
+    "_read_params_of": "fp32",
+}
 
 # Order matters: a chained optimizer may itself look like a stub; a stub holds nothing whatever
 # its kind.

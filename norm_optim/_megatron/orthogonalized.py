@@ -49,17 +49,7 @@ _STEPS_READ = frozenset(
         "megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon.step",
     )
 )
-_BASE = (
-    "emerging_optimizers.orthogonalized_optimizers.orthogonalized_optimizer",
-    "OrthogonalizedOptimizer",
-)
 MOMENTUM = "momentum_buffer"
-
-
-def is_orthogonalized(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is an ``emerging_optimizers`` ``OrthogonalizedOptimizer`` (Muon,
-    megatron's ``TensorParallelMuon``, ...), by its class hierarchy (no import needed)."""
-    return any((c.__module__, c.__qualname__) == _BASE for c in type(optimizer).__mro__)
 
 
 def unread_step(optimizer: Any) -> Optional[str]:

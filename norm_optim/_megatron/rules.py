@@ -1,0 +1,501 @@
+"""The update rules step norms derive, one small class per rule, found by the optimizer's class.
+
+A rule answers, for the tensors one torch optimizer steps: was this tensor stepped, what are its
+moments (or momentum), and what did the step change (``θ_after − θ_before``), derived from what
+the optimizer holds *after* the step so that no copy of the weights is ever kept. Each rule
+works on a list of tensors at once with ``torch._foreach_*`` operations (one kernel per list on
+an accelerator), writing into the views it is given: the caller sizes the lists by bytes
+(:mod:`norm_optim._step`).
+
+:data:`RULES` maps an optimizer class (by its qualified name) to a builder; a builder returns an :class:`UpdateRule`, or a :class:`Refused`
+with the exact reason the step of that use cannot be derived. A new optimizer is one new rule
+class and one entry in :data:`RULES`.
+
+The derivations are exact math on the stored values; the difference the step *stored* also
+carries the fp32 rounding of ``θ_after``, so the two differ by at most about one ulp of each
+weight (docs/step-norms.md).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import inspect
+import math
+import struct
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Optional, Union
+
+import torch
+
+from .orthogonalized import MOMENTUM, InStepUpdates, unread_step
+
+
+def local(tensor: Any) -> Any:
+    """A DTensor's local shard (the same object the registry holds); any other value as is."""
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.14)
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.QualName`` of an object's class: how rules and refusals name it."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stepped:
+    """One tensor a torch optimizer steps, as the registry holds it.
+
+    Attributes:
+        held: the fp32 tensor the registry holds (a DTensor's local shard).
+        optimizer: the torch optimizer that steps it.
+        param: what that optimizer steps (a DTensor under torch FSDP2 / Megatron-FSDP, a CPU
+            copy under ``HybridDeviceOptimizer``).
+        group: its param group (read at the step: a scheduler changes ``lr`` in place).
+        rule: how its step is derived.
+        grad_of: whose ``.grad`` the step read, when not ``param``'s.
+    """
+
+    held: torch.Tensor
+    optimizer: Any
+    param: torch.Tensor
+    group: dict
+    rule: "UpdateRule"
+    grad_of: Optional[torch.Tensor] = None
+
+    @property
+    def state(self) -> dict:
+        """Its optimizer state now (empty before its first step), DTensors as their local
+        shards; never creates an entry. ``optimizer.state`` is looked up now, not kept: an
+        optimizer may replace the whole mapping at every step (``HybridDeviceOptimizer`` does)."""
+        return {k: local(v) for k, v in (self.optimizer.state.get(self.param) or {}).items()}
+
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        grad = (self.param if self.grad_of is None else self.grad_of).grad
+        return None if grad is None else local(grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """No exact rule for this use of an optimizer: ``reason`` says why (shown to the user)."""
+
+    reason: str
+
+
+class UpdateRule(abc.ABC):
+    """How one optimizer's step is read: its moments and its derived update.
+
+    Attributes:
+        name: for messages and the descriptor (e.g. ``"adam"``).
+        moments: the state keys reported as ``exp_avg`` and ``exp_avg_sq`` (or momentum: one
+            key, reported as ``exp_avg``); empty when the rule keeps none.
+        hyper_parameters: the param-group keys (and instance flags) the rule reads.
+    """
+
+    name: str = ""
+    moments: tuple[str, ...] = ()
+    hyper_parameters: tuple[str, ...] = ()
+    momentum: Optional[str] = None
+    """The state key of a momentum buffer reported as ``StepNorms.momentum`` (Muon's)."""
+    in_step: bool = False
+    """True: the update is read during the step (:meth:`around_step`, :meth:`update_squares`),
+    not derived after it by :meth:`write_updates`."""
+
+    def around_step(self, entries: Sequence[Stepped]) -> ContextManager[None]:
+        """The step runs inside (for an :attr:`in_step` rule: reads each entry's update)."""
+        return contextlib.nullcontext()
+
+    def update_squares(self, entry: Stepped) -> torch.Tensor:
+        """An :attr:`in_step` rule's float64 sum of squares of ``entry``'s update in the last
+        step (0-dim; zero for a tensor the step did not change)."""
+        raise NotImplementedError(f"the {self.name} rule derives its updates after the step")
+
+    def check(self, entry: Stepped) -> Optional[str]:
+        """Why this tensor's step cannot be read now (e.g. a moment's dtype), else None;
+        called when a step is armed, before it runs."""
+        return None
+
+    def stepped(self, entry: Stepped) -> bool:
+        """Whether the last step changed this tensor (torch skips a param without a grad)."""
+        return entry.grad is not None and bool(entry.state)
+
+    def moment_tensors(self, entry: Stepped) -> tuple[Optional[torch.Tensor], ...]:
+        """``(exp_avg, exp_avg_sq)`` (None where absent), by :attr:`moments`."""
+        state = entry.state
+        found = tuple(state.get(key) for key in self.moments)
+        return (found + (None, None))[:2]
+
+    @abc.abstractmethod
+    def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
+        """Write each entry's update, up to a factor, into ``out``; return the factors.
+
+        ``out[i]`` is an fp32 tensor of ``entries[i].held``'s shape (a view of the caller's
+        scratch); afterwards ``factor[i] · out[i]`` is ``θ_after − θ_before``. Returning a factor
+        instead of applying it saves a pass over the elements (norms scale exactly). Every entry
+        was stepped (:meth:`stepped`). Call it right after the step, before anything changes the
+        tensors, their state or their param group (a scheduler's ``lr``).
+        """
+
+
+def _by_key(
+    entries: Sequence[Stepped], out: Sequence[torch.Tensor], key: Callable[[Stepped], Hashable]
+) -> list[tuple[Hashable, list[int]]]:
+    """Indices of ``entries`` grouped by ``key`` (one list operation per distinct key)."""
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    for i, entry in enumerate(entries):
+        groups[key(entry)].append(i)
+    return list(groups.items())
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (what a C ``float`` argument holds)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _AdamScalars:
+    """The scalars of one Adam update: ``Δ = scale · m / (√v + eps') + decay · θ_after``."""
+
+    scale: float
+    eps: float  # eps · √bc2 (the denominator's shift, with √bc2 moved into ``scale``)
+    decay: float  # 0 for L2 decay (inside the moments already) or none
+    amsgrad: bool
+
+
+class AdamRule(UpdateRule):
+    """torch's Adam / AdamW: every term of the rule is in the state and the param group.
+
+    ``decoupled`` is None to read the group's ``decoupled_weight_decay`` (torch.optim.Adam), True
+    for ``torch.optim.AdamW``: on torch < 2.6 ``AdamW`` is its own class and its groups have no
+    such key, so it is recognised by its class (an AdamW is always decoupled).
+    """
+
+    name = "adam"
+    moments = ("exp_avg", "exp_avg_sq")
+    hyper_parameters = ("lr", "betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay")
+
+    def __init__(self, decoupled: Optional[bool] = None) -> None:
+        self.decoupled = decoupled
+
+    def check(self, entry: Stepped) -> Optional[str]:
+        if entry.group.get("maximize", False):
+            return "maximize=True: its update is not derived by norm_optim"
+        return None
+
+    def _scalars(self, entry: Stepped) -> _AdamScalars:
+        group, state = entry.group, entry.state
+        lr, wd, eps = float(group["lr"]), float(group.get("weight_decay", 0.0)), float(group["eps"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        decoupled = (
+            self.decoupled
+            if self.decoupled is not None
+            else bool(group.get("decoupled_weight_decay", False))
+        )
+        step = float(state["step"])
+        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        return _decoupled_scalars(
+            lr, wd, eps, lr / bias1, bias2_sqrt, decoupled, bool(group.get("amsgrad", False))
+        )
+
+    def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
+        return _adam_updates(entries, out, [self._scalars(e) for e in entries])
+
+
+def _decoupled_scalars(
+    lr: float,
+    wd: float,
+    eps: float,
+    step_size: float,
+    bias2_sqrt: float,
+    decoupled: bool,
+    amsgrad: bool,
+) -> _AdamScalars:
+    # u = step_size · m / (√v / √bc2 + eps) is what the step subtracted; with decoupled decay
+    # θ_a = θ_b·(1 − lr·wd) − u, so Δ = −(u + lr·wd·θ_a) / (1 − lr·wd). (L2 decay is inside
+    # the moments already: Δ = −u.) Written as scale · (m / (√v + eps·√bc2)) + decay · θ_a.
+    keep = 1 - lr * wd if decoupled else 1.0
+    scale = -step_size * bias2_sqrt / keep
+    decay = -lr * wd / keep if decoupled else 0.0
+    return _AdamScalars(scale, eps * bias2_sqrt, decay, amsgrad)
+
+
+def _adam_updates(
+    entries: Sequence[Stepped], out: Sequence[torch.Tensor], scalars: Sequence[_AdamScalars]
+) -> list[float]:
+    """``out[i] = m / (√v + eps') + (decay / scale) · θ_a`` with list operations, one set per
+    distinct (eps', decay / scale, amsgrad); the factor is ``scale``."""
+    keys = [(s.eps, s.decay / s.scale, s.amsgrad) for s in scalars]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        groups[key].append(i)
+    for (eps, decay, amsgrad), index in groups.items():
+        states = [entries[i].state for i in index]
+        o = [out[i] for i in index]
+        v = [s["max_exp_avg_sq" if amsgrad else "exp_avg_sq"] for s in states]
+        torch._foreach_copy_(o, v)
+        torch._foreach_sqrt_(o)
+        torch._foreach_add_(o, eps)
+        torch._foreach_reciprocal_(o)
+        torch._foreach_mul_(o, [s["exp_avg"] for s in states])
+        if decay:
+            torch._foreach_add_(o, [entries[i].held for i in index], alpha=decay)
+    return [s.scale for s in scalars]
+
+
+class SGDRule(UpdateRule):
+    """torch's SGD (momentum or none; not Nesterov: refused when the optimizer is built)."""
+
+    name = "sgd"
+    moments = ()
+    hyper_parameters = ("lr", "momentum", "weight_decay", "maximize", "nesterov")
+
+    def stepped(self, entry: Stepped) -> bool:
+        # SGD without momentum keeps no state: a tensor with a grad was stepped.
+        return entry.grad is not None
+
+    def check(self, entry: Stepped) -> Optional[str]:
+        if entry.group.get("nesterov", False):
+            return "torch.optim.SGD with nesterov=True: its update is not derived by norm_optim"
+        return None
+
+    def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
+        factors = [0.0] * len(entries)
+
+        def key(i: int) -> tuple:
+            group = entries[i].group
+            buf = "momentum_buffer" in entries[i].state
+            return (
+                buf,
+                -1.0 if group.get("maximize", False) else 1.0,
+                group.get("weight_decay", 0),
+            )
+
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i in range(len(entries)):
+            groups[key(i)].append(i)
+        for (buf, sign, wd), index in groups.items():
+            o = [out[i] for i in index]
+            if buf:  # Δ = −lr · buf (decay and maximize are inside it)
+                torch._foreach_copy_(o, [entries[i].state["momentum_buffer"] for i in index])
+                for i in index:
+                    factors[i] = -float(entries[i].group["lr"])
+                continue
+            # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
+            torch._foreach_copy_(o, [entries[i].grad for i in index])
+            if sign < 0:
+                torch._foreach_neg_(o)
+            if wd:
+                torch._foreach_add_(o, [entries[i].held for i in index], alpha=float(wd))
+            for i in index:
+                lr = float(entries[i].group["lr"])
+                factors[i] = -lr / (1 - lr * float(wd))
+        return factors
+
+
+# apex's and Transformer Engine's FusedAdam, by ``module.qualname`` (importing them needs CUDA),
+# and the constructor flags each may take; a flag outside these is one norm_optim has not read.
+#
+# Read at apex 25.09-52-g6424da3b (commit 6424da3b4faa) and TransformerEngine commit d0067d0da6cb
+# (2026-08-22): ``apex/optimizers/fused_adam.py`` / ``transformer_engine/pytorch/optimizers/
+# fused_adam.py`` ``step()`` and the fp32 functor of ``csrc/multi_tensor_adam.cu`` /
+# ``transformer_engine/common/multi_tensor/adam.cu`` (``AdamFunctor``, identical in both):
+#
+# - the step count is ``group["step"]``, one per param group, advanced once per ``step()`` before
+#   the kernel (apex: for a non-empty group; TE: for every group); there is no ``state["step"]``;
+# - ``bias_correction1/2 = 1 - pow(beta, step)`` when ``group["bias_correction"]``, else 1
+#   (host code of ``multi_tensor_adam_cuda``, in float);
+# - ``adam_w_mode`` is the instance's (1: decoupled decay, 0: L2), ``lr``, ``betas``, ``eps``,
+#   ``weight_decay`` the group's;
+# - L2 (mode 0): ``g += wd·p``; ``m = b1·m + (1−b1)·g``; ``v = b2·v + (1−b2)·g²``;
+#   ``p -= lr · (m/bc1) / (sqrt(v/bc2) + eps)``;
+# - AdamW (mode 1): the same moments of ``g``; ``p -= lr · ((m/bc1) / (sqrt(v/bc2) + eps) + wd·p)``
+#   (``p`` the value before the step), i.e. torch AdamW's ``p·(1 − lr·wd) − lr·m̂/denom``;
+# - a param whose grad is None is skipped (TE creates its zero state anyway);
+# - ``capturable`` (step / lr as device tensors, a found-inf no-op), ``master_weights`` (an fp32
+#   copy beside the param) and TE's non-fp32 ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (scaled
+#   moments), ``use_decoupled_grad`` and ``store_param_remainders`` change what is stepped or
+#   stored: refused.
+APEX_FUSED_ADAM = "apex.optimizers.fused_adam.FusedAdam"
+TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+_FUSED_ADAM_FLAGS = {
+    APEX_FUSED_ADAM: frozenset(
+        ("params", "lr", "bias_correction", "betas", "eps", "adam_w_mode", "weight_decay")
+        + ("amsgrad", "set_grad_none", "capturable", "master_weights")
+    ),
+    TE_FUSED_ADAM: frozenset(
+        ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction")
+        + ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype")
+        + ("exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad")
+        + ("store_param_remainders", "set_grad_none")
+    ),
+}
+# Flags that must be off (falsy) for the step to be read, and dtypes that must be fp32.
+_FUSED_ADAM_OFF = ("capturable", "master_weights", "use_decoupled_grad", "store_param_remainders")
+_FUSED_ADAM_FP32 = ("exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+class FusedAdamRule(UpdateRule):
+    """apex's / TE's FusedAdam in fp32 use (see ``_FUSED_ADAM_FLAGS``): one step count per
+    group, its own bias-correction switch, the instance's ``adam_w_mode``, never amsgrad; the
+    kernel takes lr, betas, eps and weight_decay as C floats (its bias corrections are of the
+    fp32 betas: 1 − fp32(0.999) is 1.3e-5 off 0.001, enough to matter)."""
+
+    name = "fused_adam"
+    moments = ("exp_avg", "exp_avg_sq")
+    hyper_parameters = ("lr", "betas", "eps", "weight_decay", "bias_correction", "step")
+
+    def __init__(self, adam_w_mode: bool) -> None:
+        self.decoupled = adam_w_mode
+
+    def check(self, entry: Stepped) -> Optional[str]:
+        for key in self.moments:
+            value = entry.state.get(key)
+            if value is not None and value.dtype != torch.float32:
+                return (
+                    f"FusedAdam keeps its {key} as {value.dtype}: step norms read fp32 moments only"
+                )
+        return None
+
+    def stepped(self, entry: Stepped) -> bool:
+        return super().stepped(entry) and "step" in entry.group
+
+    def _scalars(self, entry: Stepped) -> _AdamScalars:
+        group = entry.group
+        step = float(group["step"])
+        corrected = bool(group["bias_correction"])
+        lr, wd, eps = (_fp32(float(group[k])) for k in ("lr", "weight_decay", "eps"))
+        beta1, beta2 = (_fp32(float(b)) for b in group["betas"])
+        bias1 = _fp32(1 - beta1**step) if corrected else 1.0
+        bias2_sqrt = math.sqrt(_fp32(1 - beta2**step)) if corrected else 1.0
+        return _decoupled_scalars(lr, wd, eps, lr / bias1, bias2_sqrt, self.decoupled, False)
+
+    def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
+        return _adam_updates(entries, out, [self._scalars(e) for e in entries])
+
+
+class OrthogonalizedRule(UpdateRule):
+    """Muon and the orthogonalized emerging optimizers (:mod:`.orthogonalized`): the update is
+    read during the step, one tensor at a time, as the difference the step stored; the momentum
+    buffer is reported as ``momentum``."""
+
+    name = "orthogonalized"
+    moments = ()
+    momentum = MOMENTUM
+    in_step = True
+    hyper_parameters = ("lr", "momentum", "weight_decay", "nesterov", "weight_decay_method")
+
+    def __init__(self) -> None:
+        self._readers: dict[int, InStepUpdates] = {}
+
+    def stepped(self, entry: Stepped) -> bool:
+        return id(entry.param) in self._reader(entry).squares
+
+    def _reader(self, entry: Stepped) -> InStepUpdates:
+        reader = self._readers.get(id(entry.optimizer))
+        if reader is None:
+            raise RuntimeError("the update of an orthogonalized optimizer is read in its step")
+        return reader
+
+    @contextlib.contextmanager
+    def around_step(self, entries: Sequence[Stepped]) -> Iterator[None]:
+        optimizers = {id(e.optimizer): e.optimizer for e in entries}
+        self._readers = {key: InStepUpdates(opt) for key, opt in optimizers.items()}
+        with contextlib.ExitStack() as stack:
+            for reader in self._readers.values():
+                stack.enter_context(reader.around_step())
+            yield
+
+    def update_squares(self, entry: Stepped) -> torch.Tensor:
+        found = self._reader(entry).squares.get(id(entry.param))
+        if found is None:  # not stepped (no grad, or a skipped step)
+            return torch.zeros((), dtype=torch.float64, device=entry.held.device)
+        return found
+
+    def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
+        raise NotImplementedError("the orthogonalized optimizers' updates are read in-step")
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders, by optimizer class.
+# ---------------------------------------------------------------------------------------------
+
+RuleBuilder = Callable[[Any, Any], Union[UpdateRule, Refused]]
+"""``builder(torch_optimizer, leaf)`` (``leaf``: the megatron optimizer around it, for its
+config) -> the rule of that optimizer, or why there is none."""
+
+
+def _adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
+    return AdamRule()
+
+
+def _adamw(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
+    return AdamRule(decoupled=True)
+
+
+def _sgd(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
+    return SGDRule()
+
+
+def _orthogonalized(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
+    why = unread_step(optimizer)
+    return OrthogonalizedRule() if why is None else Refused(why)
+
+
+def _fused_adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
+    name = qualified_name(optimizer)
+    known = _FUSED_ADAM_FLAGS[name]
+    taken = [
+        p.name
+        for p in inspect.signature(type(optimizer).__init__).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    unknown = sorted(set(taken) - known)
+    if unknown:
+        return Refused(f"its constructor takes {unknown}, flags norm_optim has not read")
+    on = [flag for flag in _FUSED_ADAM_OFF if getattr(optimizer, flag, False)]
+    if on:
+        return Refused(f"{on} on: its step is not read exactly (fp32 use only)")
+    narrow = [
+        f"{flag}={getattr(optimizer, flag)}"
+        for flag in _FUSED_ADAM_FP32
+        if getattr(optimizer, flag, torch.float32) != torch.float32
+    ]
+    if narrow:
+        return Refused(f"{narrow}: scaled moments, not read (fp32 moments only)")
+    mode = getattr(optimizer, "adam_w_mode", None)
+    if mode not in (0, 1, False, True):
+        return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
+    return FusedAdamRule(bool(mode))
+
+
+RULES: tuple[tuple[str, RuleBuilder], ...] = (
+    ("torch.optim.adamw.AdamW", _adamw),
+    ("torch.optim.adam.Adam", _adam),
+    ("torch.optim.sgd.SGD", _sgd),
+    (APEX_FUSED_ADAM, _fused_adam),
+    (TE_FUSED_ADAM, _fused_adam),
+    # Muon as megatron-core (0.19, main) builds it, and the emerging_optimizers classes it and
+    # users build on (emerging_optimizers 0.3): their step functions are read (.orthogonalized).
+    ("megatron.core.optimizer.emerging_optimizers.TensorParallelMuon", _orthogonalized),
+    ("megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon", _orthogonalized),
+    ("emerging_optimizers.orthogonalized_optimizers.muon.Muon", _orthogonalized),
+    ("emerging_optimizers.orthogonalized_optimizers.adaptive_muon.AdaptiveMuon", _orthogonalized),
+)
+"""Optimizer class (qualified name) -> its rule builder. The class itself must be listed: a
+subclass may step otherwise (``torch.optim.AdamW`` is a subclass of ``Adam`` on torch >= 2.6,
+its own class before; both are listed)."""
+
+NO_RULE = (
+    "its update rule is not one norm_optim reads (torch.optim.Adam, AdamW, SGD, apex's and "
+    "TE's FusedAdam, Muon and AdaptiveMuon): the other emerging optimizers (SOAP, Lion, ...) "
+    "and the fused SGDs are not read yet"
+)
+
+
+def rule_for(optimizer: Any, leaf: Any = None) -> Union[UpdateRule, Refused]:
+    """The rule of a torch optimizer (by its exact class), or why there is none."""
+    builder = dict(RULES).get(qualified_name(optimizer))
+    return Refused(NO_RULE) if builder is None else builder(optimizer, leaf)
