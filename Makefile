@@ -52,7 +52,8 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_megatron_fsdp.py tests/test_megatron_lm.py tests/test_versions.py \
               tests/test_torch_fsdp2.py tests/test_sinks.py tests/test_mimo.py \
               tests/test_audit.py \
-              tests/test_step_norms.py tests/test_step_norms_muon.py
+              tests/test_step_norms.py tests/test_step_norms_muon.py \
+              tests/test_step_norms_precision_aware.py
 
 # megatron-core main (the 0.20 line, what users of a Megatron-LM checkout run), in a copy of
 # .venv-latest: by default the wheel of main next to the project (../shared/megatron-main/), or

@@ -668,11 +668,15 @@ def test_arming_changes_no_training_bit(name: str) -> None:
 
 # FusedAdam uses whose step is not read exactly: (stand-in, constructor flags).
 FUSED_REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
-    "te-master-weights": ("te", dict(master_weights=True)),
-    "te-exp-avg-bf16": ("te", dict(exp_avg_dtype=torch.bfloat16)),
+    # (master weights, decoupled grads and bf16 moments are read: test_step_norms_precision_aware)
+    "te-master-weights-fp16": (
+        "te",
+        dict(master_weights=True, master_weight_dtype=torch.float16),
+    ),
+    "te-exp-avg-fp16": ("te", dict(exp_avg_dtype=torch.float16)),
     "te-exp-avg-sq-fp8": ("te", dict(exp_avg_sq_dtype=torch.uint8)),
     "te-capturable": ("te", dict(capturable=True)),
-    "te-decoupled-grad": ("te", dict(use_decoupled_grad=True)),
+    "te-capturable-master-weights": ("te", dict(capturable=True, master_weights=True)),
     "te-new-flag": ("te-new-flag", dict(fused_new_flag=True)),
     "apex-capturable": ("apex", dict(capturable=True)),
     "apex-master-weights": ("apex", dict(capturable=True, master_weights=True)),
@@ -689,10 +693,13 @@ def _refused(kind: str) -> str:
         chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon-lion", seed=SEED)
     if kind == "megatron-fsdp-v2":
         inner = build_optimizer(chunks, use_distributed_optimizer=False)
-    elif kind == "precision-aware":
+    elif kind == "precision-aware-fp16-moments":
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
+        # TE keeps fp16 moments scaled (a per-tensor factor): not read. (The stand-in does not
+        # step them; arming is refused before any step.)
+        _leaves(inner)[0].optimizer.exp_avg_dtype = torch.float16
     elif kind == "muon-lion":  # Muon reads (test_step_norms_muon.py); Lion for the rest not
         inner = build_optimizer(chunks, optimizer="muon", muon_scalar_optimizer="lion")
     elif kind in FUSED_REFUSED:
@@ -717,7 +724,7 @@ def _refused(kind: str) -> str:
 @pytest.mark.parametrize(
     "kind, words",
     [
-        ("precision-aware", "precision-aware"),
+        ("precision-aware-fp16-moments", "exp_avg_dtype=torch.float16"),
         pytest.param(
             "muon-lion",
             "Lion",
@@ -728,11 +735,11 @@ def _refused(kind: str) -> str:
             ),
         ),
         ("rmsprop", "RMSprop"),
-        ("te-master-weights", "'master_weights'"),
-        ("te-exp-avg-bf16", "exp_avg_dtype=torch.bfloat16"),
+        ("te-master-weights-fp16", "master_weight_dtype=torch.float16"),
+        ("te-exp-avg-fp16", "exp_avg_dtype=torch.float16"),
         ("te-exp-avg-sq-fp8", "exp_avg_sq_dtype=torch.uint8"),
         ("te-capturable", "'capturable'"),
-        ("te-decoupled-grad", "'use_decoupled_grad'"),
+        ("te-capturable-master-weights", "capturable on"),
         ("te-new-flag", "'fused_new_flag'"),
         ("apex-capturable", "'capturable'"),
         ("apex-master-weights", "'master_weights'"),

@@ -22,7 +22,9 @@ import torch
 from .._comm import ProcessGroup
 from .._errors import UnsupportedOptimizerError
 from .._versions import megatron_core_version_string
+from .._kernels import RemainderMaster
 from .holdings import Holding
+from .precision_aware import master_stepped
 from .rules import Refused, Stepped, UpdateRule, local, qualified_name, rule_for
 
 # megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (0.14-0.20.dev)
@@ -88,7 +90,11 @@ class OptimizerDescriptor:
     _by_tensor: Mapping[int, Stepped] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        by_tensor = {id(s.held): s for leaf in self.leaves for s in leaf.stepped}
+        by_tensor = {
+            id(s.held.param if isinstance(s.held, RemainderMaster) else s.held): s
+            for leaf in self.leaves
+            for s in leaf.stepped
+        }
         object.__setattr__(self, "_by_tensor", by_tensor)
 
     @property
@@ -103,7 +109,9 @@ class OptimizerDescriptor:
 
     def stepped(self, tensor: Any) -> Optional[Stepped]:
         """The :class:`Stepped` of a tensor the registry holds (None: no optimizer steps it)."""
-        return self._by_tensor.get(id(tensor))
+        # A remainder-encoded master is a pair made anew by each reader: its param names it.
+        key = tensor.param if isinstance(tensor, RemainderMaster) else tensor
+        return self._by_tensor.get(id(key))
 
     def refuse_step(self) -> None:
         """Raise :class:`~norm_optim.UnsupportedOptimizerError` for a layout or a leaf whose
@@ -184,11 +192,17 @@ def _rule_and_stepped(
 ) -> tuple[Optional[UpdateRule], Optional[str], list[Stepped], str]:
     """(rule, refusal, stepped tensors, where the grads are) of a leaf with a torch optimizer."""
     if bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)):
-        why = (
-            "its grads are decoupled_grad and its masters live in TE's FusedAdam state; not "
-            "read yet"
-        )
-        return None, step_refusal("precision-aware optimizer", why), [], "decoupled_grad"
+        # TE's FusedAdam keeps the masters in its state and reads decoupled grads: its rule
+        # (.precision_aware) says how; the masters are what the registry holds.
+        where = "decoupled_grad (the main_grad shard, fp32 or bf16)"
+        if type(inner).__name__ == HYBRID_DEVICE_OPTIMIZER:
+            why = "CPU offload of its masters is not read yet"
+            return None, step_refusal("precision-aware optimizer", why), [], where
+        rule = rule_for(inner, leaf)
+        if isinstance(rule, Refused):
+            what = f"precision-aware optimizer ({qualified_name(inner)})"
+            return None, step_refusal(what, rule.reason), [], where
+        return rule, None, master_stepped(inner, rule), where
     if type(inner).__name__ == HYBRID_DEVICE_OPTIMIZER:
         # CPU offload: its sub-optimizers step copies of the fp32 shards with their own rule,
         # param groups (e.g. decoupled_weight_decay) and state, and copy them back inside

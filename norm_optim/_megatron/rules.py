@@ -455,6 +455,13 @@ def _fused_adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
     unknown = sorted(set(taken) - known)
     if unknown:
         return Refused(f"its constructor takes {unknown}, flags norm_optim has not read")
+    # TE's master weights, decoupled grads or non-fp32 moments: the precision-aware use.
+    te_master = name == TE_FUSED_ADAM and (
+        any(getattr(optimizer, f, False) for f in ("master_weights", "use_decoupled_grad"))
+        or any(getattr(optimizer, f, torch.float32) != torch.float32 for f in _FUSED_ADAM_FP32)
+    )
+    if te_master:
+        return _te_master(optimizer)
     on = [flag for flag in _FUSED_ADAM_OFF if getattr(optimizer, flag, False)]
     if on:
         return Refused(f"{on} on: its step is not read exactly (fp32 use only)")
@@ -469,6 +476,32 @@ def _fused_adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
     if mode not in (0, 1, False, True):
         return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
     return FusedAdamRule(bool(mode))
+
+
+def _te_master(optimizer: Any) -> Union[UpdateRule, Refused]:
+    """TE's FusedAdam with master weights, decoupled grads or bf16 moments (the precision-aware
+    optimizer): derived before its step (:mod:`.precision_aware`), where it is exact."""
+    from .precision_aware import READ_MOMENTS, MasterAdamRule
+
+    if getattr(optimizer, "capturable", False):
+        return Refused(
+            "capturable on: the step count and lr are device tensors advanced under a found-inf "
+            "no-op, not read"
+        )
+    master = getattr(optimizer, "master_weight_dtype", torch.float32)
+    if getattr(optimizer, "master_weights", False) and master != torch.float32:
+        return Refused(f"master_weight_dtype={master}: scaled masters, not read (fp32 only)")
+    scaled = [
+        f"{flag}={getattr(optimizer, flag)}"
+        for flag in _FUSED_ADAM_FP32
+        if getattr(optimizer, flag, torch.float32) not in READ_MOMENTS
+    ]
+    if scaled:
+        return Refused(f"{scaled}: scaled moments, not read (fp32 and bf16 moments are)")
+    mode = getattr(optimizer, "adam_w_mode", None)
+    if mode not in (0, 1, False, True):
+        return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
+    return MasterAdamRule(bool(mode))
 
 
 RULES: tuple[tuple[str, RuleBuilder], ...] = (

@@ -284,7 +284,8 @@ def build_model(
             ``wrap_model_chunks_with_ddp`` does: Muon-managed matrices in shard-aligned
             layer-wise buffers, the other params in distributed-optimizer buffers, so that
             ``get_megatron_optimizer`` returns ``ChainedOptimizer([LayerWise..., Distributed...])``.
-        ddp_overrides: extra ``DistributedDataParallelConfig`` fields.
+        ddp_overrides: extra ``DistributedDataParallelConfig`` fields (``grad_reduce_in_fp32``
+            defaults to True; False keeps bf16 main grads, megatron's ``--main-grads-dtype bf16``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -294,10 +295,9 @@ def build_model(
 
     init_rng(seed)
     config = transformer_config(cfg)
+    ddp_overrides.setdefault("grad_reduce_in_fp32", True)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=use_distributed_optimizer,
-        grad_reduce_in_fp32=True,
-        **ddp_overrides,
+        use_distributed_optimizer=use_distributed_optimizer, **ddp_overrides
     )
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []

@@ -37,6 +37,35 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
+def adam_kernel(
+    g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict, mode: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One element-wise step of the kernels' ``adam_update`` / ``AdamFunctor`` (and TE's
+    ``AdamFunctorMaster``, whose ``p`` is the fp32 master), in fp32, in the kernel's order, for
+    a group whose ``step`` was already advanced: returns the new ``(p, m, v)`` in fp32 (the
+    caller stores them in its dtypes). ``g``, ``p``, ``m``, ``v`` are read as fp32 values."""
+    step = group["step"]
+    beta1, beta2 = (_f32(b) for b in group["betas"])
+    lr, eps, decay = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
+    one = _f32(1.0)
+    if group["bias_correction"]:
+        # host code: float bias_correction = 1 - std::pow(beta, step) (double pow)
+        bc1 = _f32(1 - float(beta1.double() ** step))
+        bc2 = _f32(1 - float(beta2.double() ** step))
+    else:
+        bc1 = bc2 = one
+    g, p, m, v = (t.float() for t in (g, p, m, v))
+    if mode == 0:  # L2
+        g = g + decay * p
+    m = beta1 * m + (one - beta1) * g
+    v = beta2 * v + (one - beta2) * g * g
+    denom = torch.sqrt(v / bc2) + eps
+    update = (m / bc1) / denom
+    if mode == 1:  # decoupled weight decay
+        update = update + decay * p
+    return p - lr * update, m, v
+
+
 class _FusedAdamMath(torch.optim.Optimizer):
     """The kernel's fp32 math and the group-step bookkeeping shared by both stand-ins."""
 
@@ -65,16 +94,6 @@ class _FusedAdamMath(torch.optim.Optimizer):
             group["step"] = group.get("step", 0) + 1
             if not group["params"]:
                 continue
-            step = group["step"]
-            beta1, beta2 = (_f32(b) for b in group["betas"])
-            lr, eps, decay = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
-            one = _f32(1.0)
-            if group["bias_correction"]:
-                # host code: float bias_correction = 1 - std::pow(beta, step) (double pow)
-                bc1 = _f32(1 - float(beta1.double() ** step))
-                bc2 = _f32(1 - float(beta2.double() ** step))
-            else:
-                bc1 = bc2 = one
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -83,17 +102,13 @@ class _FusedAdamMath(torch.optim.Optimizer):
                 if not self.state[p]:
                     self._init_state(p)
                 state = self.state[p]
-                g = p.grad.detach().float().clone()
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                if self.adam_w_mode == 0:  # L2
-                    g = g + decay * p
-                m.copy_(beta1 * m + (one - beta1) * g)
-                v.copy_(beta2 * v + (one - beta2) * g * g)
-                denom = torch.sqrt(v / bc2) + eps
-                update = (m / bc1) / denom
-                if self.adam_w_mode == 1:  # decoupled weight decay
-                    update = update + decay * p
-                p.copy_(p - lr * update)
+                new_p, new_m, new_v = adam_kernel(
+                    p.grad.detach().float(), p.detach(), m, v, group, self.adam_w_mode
+                )
+                m.copy_(new_m)
+                v.copy_(new_v)
+                p.copy_(new_p)
         return loss
 
 

@@ -2,8 +2,21 @@
 
 Transformer Engine cannot run on these CPU machines, so the precision-aware optimizer
 (``OptimizerConfig(use_precision_aware_optimizer=True)``) cannot be built with the real FusedAdam.
-:class:`PrecisionAwareAdamStandIn` reproduces the *state layout* that megatron-core's
-``DistributedOptimizer`` and norm_optim rely on, not TE's kernels:
+:class:`PrecisionAwareAdamStandIn` is a class named ``FusedAdam`` whose ``__module__`` is TE's
+(``transformer_engine.pytorch.optimizers.fused_adam``), with TE's constructor flags, its state
+layout and its step, written in torch from the sources (TransformerEngine commit 04912bf02451,
+``transformer_engine/pytorch/optimizers/fused_adam.py`` ``FusedAdam.step``, and commit
+0608bdee9158, ``transformer_engine/common/multi_tensor/adam.cu`` ``AdamFunctorMaster`` /
+``AdamFunctorMasterParamRemainder``, whose math is ``adam_update``, the same as the fp32
+``AdamFunctor``: ``tests/support/fused_adam_standin.py::adam_kernel``):
+
+- one step count per param group (``group["step"]``, advanced before the kernel for a non-empty
+  group; no ``state["step"]``), ``group["bias_correction"]``, the instance's ``adam_w_mode``;
+- a param without a grad is skipped (its state is created anyway);
+- non-fp32 moments (here bf16: TE's ``exp_avg_dtype`` / ``exp_avg_sq_dtype``) are read as fp32
+  copies (``get_unscaled_state``), the kernel runs on those, and the results are stored back
+  rounded to the moments' dtype after the kernel (``_apply_scale``: ``copy_(x.bfloat16())``);
+  fp16 and fp8 moments (scaled) are not emulated;
 
 - the optimizer's params are the bf16 shards of the model params (views of the model weights);
   gradients arrive in ``param.decoupled_grad`` (fp32);
@@ -14,7 +27,8 @@ Transformer Engine cannot run on these CPU machines, so the precision-aware opti
   rounded up by one ulp);
 - ``get_unscaled_state`` / ``set_scaled_state`` read and write fp32 views of that state, and
   ``state_dict`` holds those fp32 values (not the int16 remainders), as TE's does;
-- the update is AdamW in fp32 on the master, then the master is written back to the bf16 param.
+- the kernel steps the fp32 master (or a param that is fp32 itself), then writes the bf16 param
+  rounded to nearest (with remainders: the high half of the new master, rounded).
 
 :func:`use_precision_aware_standin` plugs it into megatron-core where TE's FusedAdam would be;
 :func:`build_precision_aware_optimizer` builds megatron's precision-aware distributed optimizer on it.
@@ -46,11 +60,11 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 
 class PrecisionAwareAdamStandIn(torch.optim.AdamW):
-    """Reproduces TE FusedAdam's precision-aware state layout on CPU (see the module docstring).
+    """Stand-in for TE's ``FusedAdam`` with master weights on CPU (see the module docstring).
 
     Subclasses ``torch.optim.AdamW`` only so that megatron's ``DistributedOptimizer`` accepts it
-    (it checks ``isinstance(optimizer, (Adam, AdamW, HybridDeviceOptimizer))``); the update is
-    its own.
+    (it checks ``isinstance(optimizer, (Adam, AdamW, HybridDeviceOptimizer))``); the step is
+    TE's, not AdamW's.
     """
 
     def __init__(
@@ -60,30 +74,50 @@ class PrecisionAwareAdamStandIn(torch.optim.AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        bias_correction: bool = True,
         adam_w_mode: bool = True,
+        capturable: bool = False,  # megatron-core >= 0.17.1 passes it (CUDA graphs); off here
         master_weights: bool = False,
-        use_decoupled_grad: bool = False,
         master_weight_dtype: torch.dtype = torch.float32,
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
+        use_decoupled_grad: bool = False,
         store_param_remainders: bool = False,
-        capturable: bool = False,  # megatron-core >= 0.17.1 passes it (CUDA graphs); no-op here
+        set_grad_none: Any = None,
     ) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        for dtype in (exp_avg_dtype, exp_avg_sq_dtype):
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise NotImplementedError(f"the stand-in does not emulate {dtype} (scaled) moments")
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
+        )
         torch.optim.Optimizer.__init__(self, params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = capturable
         self.master_weights = master_weights
         self.use_decoupled_grad = use_decoupled_grad
         self.master_weight_dtype = master_weight_dtype
-        self.store_param_remainders = store_param_remainders and master_weights
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
+        self.store_param_remainders = (
+            store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        )
+        self.set_grad_none = set_grad_none
+
+    def __setstate__(self, state: dict) -> None:
+        # TE's FusedAdam is a plain Optimizer: no per-param "step" for AdamW's to convert.
+        torch.optim.Optimizer.__setstate__(self, state)
 
     def _remainders(self, param: torch.Tensor) -> bool:
         return self.store_param_remainders and param.dtype == torch.bfloat16
 
-    def initialize_state(self, param: torch.Tensor) -> None:
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
         state = self.state[param]
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32)
-        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(param.shape, dtype=self.exp_avg_dtype)
+        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.exp_avg_sq_dtype)
         if self.master_weights and param.dtype != torch.float32:
             if self._remainders(param):
                 state["master_param"] = torch.zeros(param.shape, dtype=torch.int16)
@@ -103,7 +137,7 @@ class PrecisionAwareAdamStandIn(torch.optim.AdamW):
             high, remainder = split_master(value.float().contiguous())
             param.data.copy_(high)
             self.state[param][name].copy_(remainder)
-        else:
+        else:  # TE's _apply_scale for bf16: copy_(unscaled.bfloat16()); fp32: copy_
             self.state[param][name].copy_(value)
 
     def state_dict(self) -> dict:
@@ -130,36 +164,44 @@ class PrecisionAwareAdamStandIn(torch.optim.AdamW):
             self.state[param] = {}
             self.initialize_state(param)
             for name, value in values.items():
-                if name == "step":
-                    self.state[param]["step"] = value
-                else:
+                if name != "step":  # an older stand-in's per-param step: TE keeps none
                     self.set_scaled_state(param, name, value)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        from tests.support.fused_adam_standin import adam_kernel
+
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            if not group["params"]:
+                continue
+            group["step"] = group.get("step", 0) + 1
             for param in group["params"]:
-                grad = param.decoupled_grad if self.use_decoupled_grad else param.grad
-                if grad is None:
-                    continue
                 state = self.state[param]
                 if not state:
                     self.initialize_state(param)
-                state["step"] += 1
-                step = float(state["step"])
+                grad = param.decoupled_grad if self.use_decoupled_grad else param.grad
+                if grad is None:
+                    continue
                 has_master = "master_param" in state
                 master = self.get_unscaled_state(param, "master_param") if has_master else param
-                grad = grad.float()
-                master.mul_(1 - group["lr"] * group["weight_decay"])
-                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                master.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
-                if has_master and self._remainders(param):
-                    self.set_scaled_state(param, "master_param", master)
-                elif has_master:
-                    param.data.copy_(master)  # bf16 round to nearest, as TE writes the param
+                m = self.get_unscaled_state(param, "exp_avg")  # fp32 copies of bf16 moments
+                v = self.get_unscaled_state(param, "exp_avg_sq")
+                new_p, new_m, new_v = adam_kernel(
+                    grad.detach(), master.detach(), m, v, group, self.adam_w_mode
+                )
+                self.set_scaled_state(param, "exp_avg", new_m)
+                self.set_scaled_state(param, "exp_avg_sq", new_v)
+                if has_master:
+                    self.set_scaled_state(param, "master_param", new_p)
+                    if not self._remainders(param):
+                        param.data.copy_(new_p)  # bf16 round to nearest, as the kernel writes p
+                else:
+                    param.data.copy_(new_p)
+
+
+# What the adapter recognises: TE's class name and module.
+PrecisionAwareAdamStandIn.__name__ = PrecisionAwareAdamStandIn.__qualname__ = "FusedAdam"
+PrecisionAwareAdamStandIn.__module__ = "transformer_engine.pytorch.optimizers.fused_adam"
 
 
 @contextlib.contextmanager
@@ -191,6 +233,10 @@ def precision_aware_config(**fields: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     remainders = fields.pop("store_param_remainders", False)
+    # TE's bf16 moments and megatron's bf16 main grads: OptimizerConfig accepts them only with
+    # the precision-aware optimizer on.
+    narrow = ("exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype")
+    moments = {k: fields.pop(k) for k in narrow if k in fields}
     # Only the precision-aware optimizer may keep other master dtypes (TE's master_weight_dtype).
     main_params_dtype = fields.pop("main_params_dtype", torch.float32)
     config = OptimizerConfig(use_precision_aware_optimizer=False, **fields)
@@ -198,6 +244,8 @@ def precision_aware_config(**fields: Any) -> Any:
     config.use_precision_aware_optimizer = True
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
     config.store_param_remainders = remainders
+    for key, dtype in moments.items():
+        setattr(config, key, dtype)
     return config
 
 
