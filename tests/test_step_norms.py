@@ -30,7 +30,7 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
-from tests.support.layouts import DENSE, SMALL, SMALL_MOE, Layout
+from tests.support.layouts import DENSE, MTP, NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
 
 SEED = 7
 REL = 1e-6
@@ -77,6 +77,14 @@ CASES = {
     ),
     "te-l2-dp2-fp16opt-loss-scale": Case(
         Layout(2, SMALL), False, fused="te", decoupled=False, clip_grad=0.05, loss_scale=4.0
+    ),
+    # megatron-core >= 0.19: MTP with mtp_detach_heads, its params clipped as a group of their
+    # own ("mtp"); step() returns the main group's grad norm.
+    "mtp-detached-dp2-distopt": Case(
+        Layout(2, dataclasses.replace(MTP, mtp_detach_heads=True)), True
+    ),
+    "mtp-detached-dp2-fp16opt": Case(
+        Layout(2, dataclasses.replace(MTP, mtp_detach_heads=True)), False
     ),
 }
 
@@ -251,6 +259,15 @@ def _measured_run(case: Case) -> dict:
         "oracle": probe.oracle(),
         "has_moments": s.exp_avg is not None,
         "ratio": {k: float(v) for k, v in (s.update_to_weight or {}).items()},
+        "clip_groups": {k: float(v) for k, v in s.clip_groups.items()},
+        "megatron_groups": {
+            k: float(v) for k, v in (getattr(inner, "grad_norms_by_group", None) or {}).items()
+        },
+        "tagged": sorted(
+            name
+            for name, p in named_global_parameters(chunks)
+            if getattr(p, "grad_norm_group", None) is not None
+        ),
     }
     for q in QUANTITIES:
         norms = getattr(s, q)
@@ -273,6 +290,8 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
         pytest.skip(
             "megatron-core 0.14 has no decoupled_weight_decay: its FusedAdam is always AdamW"
         )
+    if case.layout.cfg.mtp_detach_heads and not megatron_at_least(0, 19):
+        pytest.skip("mtp_detach_heads (separately clipped MTP params) is megatron-core >= 0.19")
     results = run_ranks(_measured_run, case.layout.world, case)
     oracle = results[0]["oracle"]
     for rank, got in enumerate(results):
@@ -315,8 +334,21 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
         if case.inf:
             assert got["weights"]["total"] == pytest.approx(got["weights_before"], rel=1e-12)
         else:
-            # Megatron's own grad norm (computed when clip_grad > 0) is the grads' total.
-            assert got["grads"]["total"] == pytest.approx(got["grad_norm"], rel=REL)
+            # Megatron's own grad norm (computed when clip_grad > 0) is the grads' total, or,
+            # with separately clipped groups, the main group's; each group's is Megatron's too
+            # and the snapshots' over the params tagged with it.
+            groups = got["clip_groups"]
+            if case.layout.cfg.mtp_detach_heads:
+                assert got["tagged"] and set(groups) == {"main", "mtp"}, groups
+                mtp = math.sqrt(sum(oracle[n][1] for n in got["tagged"]))
+                assert groups["mtp"] == pytest.approx(mtp, rel=REL)
+                assert groups["mtp"] == pytest.approx(got["megatron_groups"]["mtp"], rel=REL)
+                assert groups["main"] == pytest.approx(got["grad_norm"], rel=REL)
+                main_squared = got["grads"]["total"] ** 2 - mtp**2
+                assert groups["main"] ** 2 == pytest.approx(main_squared, rel=1e-9)
+            else:
+                assert groups == {}
+                assert got["grads"]["total"] == pytest.approx(got["grad_norm"], rel=REL)
             if case.clip_grad < 1.0:
                 assert got["grad_norm"] > case.clip_grad, "the case must clip"
             for layer, ratio in got["ratio"].items():
@@ -379,6 +411,7 @@ def _native_fsdp2(mesh_shape: tuple[int, ...]) -> dict:
     }
 
 
+@NEEDS_TORCH_FSDP2
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=["fsdp2-dp2", "hsdp-2x2"])
 def test_torch_native_fsdp2(mesh: tuple[int, ...]) -> None:
     for result in run_ranks(_native_fsdp2, math.prod(mesh), mesh):
@@ -450,6 +483,7 @@ def _megatron_fsdp2() -> dict:
     not megatron_at_least(0, 19),
     reason="TorchFullyShardedDataParallel trains on CPU ranks since megatron-core 0.19 here",
 )
+@NEEDS_TORCH_FSDP2
 def test_megatron_torch_fsdp2() -> None:
     for result in run_ranks(_megatron_fsdp2, 2):
         grads, weights, updates = result["got"]
