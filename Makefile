@@ -4,7 +4,8 @@
 # Both run on megatron-core 0.16.1 (Python 3.11, the newest release it supports). The same on the
 # newest megatron-core (Python >= 3.12): make train-latest / make test-latest; Megatron-Bridge's
 # pretrain() tests, in an environment of their own: make test-bridge. The other release lines:
-# make test-0.14, test-0.15, test-0.17, test-0.18; megatron-core main: make test-main.
+# make test-0.14, test-0.15, test-0.17, test-0.18; megatron-core main: make test-main. The torch
+# range: make test-torch-floor (setup.cfg's torch floor), make test-torch-newest.
 # make lint checks the code with ruff (rules and layout: pyproject.toml [tool.ruff]) and for
 # merge-conflict markers.
 # make gpu-check measures the CUDA path on one GPU, one table (docs/gpu-check.md); no CUDA: skips.
@@ -55,6 +56,22 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_step_norms.py tests/test_step_norms_muon.py \
               tests/test_step_norms_precision_aware.py
 
+# The torch range: setup.cfg's floor and the newest torch pip installs, each a CI leg of the tests
+# that read the optimizer's rule and state (TORCH_TESTS), in a copy of the environment of its
+# Python with torch swapped (the registry's build of these releases is a CUDA one, ~2.5 GB: one
+# download per leg, once). The floor: Python 3.11, megatron-core 0.14.0 (the oldest line); the
+# newest: Python 3.12, the newest megatron-core (.venv-latest's).
+TORCH_FLOOR  ?= 2.5.1
+TORCH_NEWEST ?= 2.14.1
+TORCH_TESTS  ?= tests/test_step_norms.py tests/test_audit.py
+TORCH_LEGS   := floor newest
+TORCH_floor  := $(TORCH_FLOOR)
+TORCH_newest := $(TORCH_NEWEST)
+BASE_floor   := .venv
+BASE_newest  := .venv-latest
+MCORE_floor  := megatron-core==0.14.0
+MCORE_newest :=
+
 # megatron-core main (the 0.20 line, what users of a Megatron-LM checkout run), in a copy of
 # .venv-latest: by default the wheel of main next to the project (../shared/megatron-main/), or
 # any megatron-core source: MCORE_MAIN=path/to/Megatron-LM (a checkout) or a wheel. It is
@@ -76,7 +93,7 @@ define copy-env
 endef
 
 .PHONY: train test lint bench gpu-check setup train-latest test-latest bench-latest test-bridge
-.PHONY: $(LINES:%=test-%) test-main mcore-main
+.PHONY: $(LINES:%=test-%) test-main mcore-main $(TORCH_LEGS:%=test-torch-%)
 
 setup: $(STAMP)
 
@@ -126,6 +143,16 @@ $(LINES:%=.venv-%/.norm_optim-installed): .venv-%/.norm_optim-installed: setup.c
 
 $(LINES:%=test-%): test-%: .venv-%/.norm_optim-installed
 	.venv-$*/bin/python -m pytest -q $(LEG_TESTS) $(ARGS)
+
+$(TORCH_LEGS:%=.venv-torch-%/.norm_optim-installed): .venv-torch-%/.norm_optim-installed: \
+    setup.cfg pyproject.toml
+	$(call copy-env,$(BASE_$*),.venv-torch-$*)
+	$(if $(MCORE_$*),.venv-torch-$*/bin/python -m pip install -q --no-deps "$(MCORE_$*)")
+	.venv-torch-$*/bin/python -m pip install -q "torch==$(TORCH_$*)"
+	touch $@
+
+$(TORCH_LEGS:%=test-torch-%): test-torch-%: .venv-torch-%/.norm_optim-installed
+	.venv-torch-$*/bin/python -m pytest -q $(TORCH_TESTS) $(ARGS)
 
 $(MAIN_STAMP): setup.cfg pyproject.toml
 	$(call copy-env,.venv-latest,$(MAIN_VENV))

@@ -4,8 +4,9 @@ For each case (a tiny GPT with the distributed optimizer, on one CPU rank and on
 median of a plain ``step()`` and of an armed one (``measure_next_step()`` + ``step()`` +
 ``step_norms()``, total-only and per-param), the total-only ``param_l2_norm()`` beside them, the
 extra peak memory of the armed step's own work (``benchmarks.param_norm.memory``), the
-largest fp32 tensor the rank holds (the issue's bound is 1 MiB + that), and the bytes each call
-reads. The step is re-run on the same grads (no forward / backward): what is timed is the step.
+largest fp32 tensor the rank holds (the bound is that + the update scratch's byte budget, 1 MiB on
+CPU), the bytes each call reads, and the aten ops an armed step adds per param tensor (torch's
+dispatch mode). The step is re-run on the same grads (no forward / backward): what is timed is the step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,23 @@ REPEATS = 5
 READ_BYTES = {"param_l2_norm": 4, "armed": 4 + 4 + 8 + 12}
 
 
+def _aten_ops(fn: Callable[[], Any]) -> int:
+    """How many aten ops ``fn`` dispatches (torch's dispatch mode: a ``torch._foreach_*`` call
+    over a list is one op, as it is one kernel launch per list on an accelerator)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
+
+
 def _median(fn: Callable[[], Any]) -> float:
     times = []
     for _ in range(REPEATS):
@@ -44,6 +62,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
 
     from benchmarks.param_norm.memory import PeakMemory
     from norm_optim import NormAwareOptimizer
+    from norm_optim._kernels.chunks import default_budget
     from norm_optim._step import StepMeasurement
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
@@ -64,6 +83,8 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     plain, total_only, per_param = optimizer.step, armed(False), armed(True)
     for fn in (plain, total_only, per_param):  # warm up (per-param: the names exchange)
         fn()
+    ops = {name: _aten_ops(fn) for name, fn in (("plain", plain), ("armed", total_only))}
+    ops["armed_per_param"] = _aten_ops(per_param)
     # The armed step's own work, isolated (Adam's temporaries vary by megabytes from one plain
     # step to the next, so "armed minus plain" measures noise): the grads' sums as the hook
     # takes them, and everything after the step (weights, derived updates, moments, packet).
@@ -79,10 +100,16 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         "numel": numel,
         "tensors": len(counted),
         "largest_fp32_tensor_bytes": max(r.numel for r in counted) * 4,
+        # The issue's bound: the largest fp32 tensor + the update scratch's byte budget.
+        "bound_bytes": max(r.numel for r in counted) * 4 + default_budget(torch.device("cpu")),
         "plain_step_s": _median(plain),
         "armed_step_s": _median(total_only),
         "armed_per_param_step_s": _median(per_param),
         "param_l2_norm_s": _median(lambda: float(optimizer.param_l2_norm())),
+        "aten_ops_plain_step": ops["plain"],
+        "extra_aten_ops_per_tensor": (ops["armed"] - ops["plain"]) / len(counted),
+        "extra_aten_ops_per_tensor_per_param": (ops["armed_per_param"] - ops["plain"])
+        / len(counted),
         "memory_method": peak.method,
         "extra_peak_bytes": None
         if hook_peak is None or after_peak is None
@@ -112,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
             f"armed {row['armed_step_s'] * 1e3:.3g} ms ({row['armed_over_plain']:.2f}x; "
             f"per-param {row['armed_per_param_step_s'] * 1e3:.3g} ms), param_l2_norm "
             f"{row['param_l2_norm_s'] * 1e3:.3g} ms, extra peak {row['extra_peak_bytes']} B "
-            f"(largest fp32 tensor {row['largest_fp32_tensor_bytes']} B)"
+            f"(largest fp32 tensor {row['largest_fp32_tensor_bytes']} B), extra aten ops per "
+            f"tensor {row['extra_aten_ops_per_tensor']:.1f} (per-param "
+            f"{row['extra_aten_ops_per_tensor_per_param']:.1f})"
         )
     if args.out:
         with open(args.out, "w") as f:

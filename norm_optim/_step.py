@@ -17,13 +17,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Mapping, Optional
 
 import torch
 
 from ._comm import Done, Work
 from ._errors import NormOptimError, UnsupportedOptimizerError
+from ._kernels import SumOfSquaresPlan
 from ._kernels.chunks import ChunkedSquares
+from ._megatron.descriptor import clip_group_of, separate_clip_groups
 from ._megatron.rules import Stepped, UpdateRule
 from ._megatron.step_state import step_hooks
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
@@ -42,6 +44,10 @@ class StepNorms:
         update_to_weight: per layer, ``updates.per_layer / weights.per_layer`` (None without
             ``per_param``).
         skipped: the optimizer skipped the step (fp16 overflow, or a grad-norm threshold).
+        clip_groups: the grads' norm of each group Megatron clips on its own (megatron-core
+            >= 0.19: ``"mtp"``, multi-token prediction with ``mtp_detach_heads``), where some
+            rank holds one, and of the ``"main"`` group: every other param, the grad norm
+            ``step()`` returns. ``grads`` is over every param.
         momentum: the momentum buffer of Muon (and AdaptiveMuon) after the step, over the params
             they step (zero for the others, whose Adam moments are ``exp_avg``, ``exp_avg_sq``);
             None when no leaf keeps one.
@@ -54,6 +60,7 @@ class StepNorms:
     exp_avg_sq: Optional[ParamNorms]
     update_to_weight: Optional[NamedNorms]
     skipped: bool
+    clip_groups: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     momentum: Optional[ParamNorms] = None
 
     @property
@@ -75,10 +82,12 @@ class PendingStepNorms:
         has_moments: bool,
         skipped: bool,
         has_momentum: bool = False,
+        clip_groups: Sequence[str] = (),
     ) -> None:
         self._packet, self._work, self._reducer = packet, work, reducer
         self._per_param, self._has_moments, self._skipped = per_param, has_moments, skipped
         self._has_momentum = has_momentum
+        self._clip_groups = tuple(clip_groups)
         self._result: Optional[StepNorms] = None
 
     def wait(self) -> StepNorms:
@@ -86,7 +95,9 @@ class PendingStepNorms:
             self._work.wait()
             slots = self._reducer.per_param_slots if self._per_param else None
             n = self._reducer.num_slots(self._per_param)
-            norms = [PendingNorms(part, Done(), slots).wait() for part in self._packet.split(n)]
+            k = len(self._clip_groups)
+            quantities, groups = self._packet[: len(self._packet) - k], self._packet[-k:]
+            norms = [PendingNorms(part, Done(), slots).wait() for part in quantities.split(n)]
             weights, grads, updates = norms[:3]
             exp_avg, exp_avg_sq = norms[3:5] if self._has_moments else (None, None)
             momentum = norms[-1] if self._has_momentum else None
@@ -95,8 +106,21 @@ class PendingStepNorms:
                 w, u = weights.per_layer, updates.per_layer
                 assert isinstance(w, NamedNorms) and isinstance(u, NamedNorms)
                 ratio = NamedNorms(w._index, u.vector / w.vector)
+            clip_groups = {}
+            if k:
+                # main² = all² − Σ separate², in float64 (≥ 0 up to its rounding).
+                main = (grads.total.square() - groups.sum()).clamp_(min=0).sqrt()
+                clip_groups = {"main": main, **dict(zip(self._clip_groups, groups.sqrt()))}
             self._result = StepNorms(
-                weights, grads, updates, exp_avg, exp_avg_sq, ratio, self._skipped, momentum
+                weights,
+                grads,
+                updates,
+                exp_avg,
+                exp_avg_sq,
+                ratio,
+                self._skipped,
+                clip_groups,
+                momentum=momentum,
             )
         return self._result
 
@@ -137,6 +161,7 @@ class StepPlan:
                 )
             self.entries.append(entry)
         self.names = [r.name for r in records]
+        self._clip_groups(reducer, records)
         slots = reducer.counted_slots(per_param)
         # Updates read during the step (Muon's) are summed there; the others derived after it.
         self._in_step = [
@@ -151,6 +176,31 @@ class StepPlan:
             reducer.num_slots(per_param),
             reducer.device,
         )
+
+    def _clip_groups(self, reducer: NormReducer, records: Sequence[Any]) -> None:
+        """The separately clipped groups some rank holds a param of (one small all-reduce, here
+        once: every rank then reports the same groups), and each counted record's."""
+        known = separate_clip_groups()
+        tags = [clip_group_of(r.param) for r in records]
+        held = torch.tensor([float(g in tags) for g in known], dtype=torch.float64)
+        if known:
+            held = held.to(reducer.device)
+            reducer.comm.all_reduce_sum(held, reducer.group, False).wait()
+        self.clip_groups = tuple(g for g, n in zip(known, held.tolist()) if n > 0)
+        self.clip_slots = [
+            self.clip_groups.index(t) if t in self.clip_groups else None for t in tags
+        ]
+
+    def clip_group_squares(self, grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """The grads' sum of squares of each separately clipped group (empty: none)."""
+        kept = [(g, s) for g, s in zip(grads, self.clip_slots) if g is not None and s is not None]
+        plan = SumOfSquaresPlan(
+            [g for g, _ in kept],
+            [s for _, s in kept],
+            len(self.clip_groups),
+            out_device=self.updates.device,
+        )
+        return plan()
 
     def check(self) -> None:
         """Refuse, before the step, a tensor whose step cannot be read now (its state)."""
@@ -254,6 +304,8 @@ class StepMeasurement:
             parts.append(reducer.local_squares(*plan.moments(), per_param=per_param))
         if plan.has_momentum:
             parts.append(reducer.local_squares(plan.momentum(), per_param=per_param))
+        if plan.clip_groups:
+            parts.append(self._clip_group_squares)
         packet = torch.cat(parts)
         work = reducer.comm.all_reduce_sum(packet, reducer.group, True)
         return PendingStepNorms(
@@ -264,10 +316,14 @@ class StepMeasurement:
             plan.has_moments,
             skipped=not self._stepped,
             has_momentum=plan.has_momentum,
+            clip_groups=plan.clip_groups,
         )
 
     def _grad_squares(self) -> torch.Tensor:
-        return self.reducer.local_squares(self.plan.grads(), per_param=self.per_param)
+        grads = self.plan.grads()
+        if self.plan.clip_groups:
+            self._clip_group_squares = self.plan.clip_group_squares(grads)
+        return self.reducer.local_squares(grads, per_param=self.per_param)
 
     def _update_squares(self) -> torch.Tensor:
         """Sums of squares of the derived updates (zero for a skipped step), a few list

@@ -19,7 +19,7 @@ from norm_optim.testing.faults import inject_fault_
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_
 from norm_optim._versions import megatron_at_least
-from tests.support.layouts import GTP_DENSE, SMALL, SMALL_MOE, Layout
+from tests.support.layouts import GTP_DENSE, NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
 
 TIMEOUT = 90.0
 
@@ -563,6 +563,7 @@ def _fsdp2_body(name: str) -> dict[str, Any]:
     return out
 
 
+@NEEDS_TORCH_FSDP2
 @pytest.mark.parametrize("name", list(FSDP2))
 def test_torch_fsdp2_replicas_and_duplicates(name: str) -> None:
     """DTensor params are compared over their Replicate mesh axes (megatron's DP ranks hold

@@ -30,7 +30,7 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
-from tests.support.layouts import DENSE, SMALL, SMALL_MOE, Layout
+from tests.support.layouts import DENSE, MTP, NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
 
 SEED = 7
 REL = 1e-6
@@ -77,6 +77,14 @@ CASES = {
     ),
     "te-l2-dp2-fp16opt-loss-scale": Case(
         Layout(2, SMALL), False, fused="te", decoupled=False, clip_grad=0.05, loss_scale=4.0
+    ),
+    # megatron-core >= 0.19: MTP with mtp_detach_heads, its params clipped as a group of their
+    # own ("mtp"); step() returns the main group's grad norm.
+    "mtp-detached-dp2-distopt": Case(
+        Layout(2, dataclasses.replace(MTP, mtp_detach_heads=True)), True
+    ),
+    "mtp-detached-dp2-fp16opt": Case(
+        Layout(2, dataclasses.replace(MTP, mtp_detach_heads=True)), False
     ),
 }
 
@@ -251,6 +259,15 @@ def _measured_run(case: Case) -> dict:
         "oracle": probe.oracle(),
         "has_moments": s.exp_avg is not None,
         "ratio": {k: float(v) for k, v in (s.update_to_weight or {}).items()},
+        "clip_groups": {k: float(v) for k, v in s.clip_groups.items()},
+        "megatron_groups": {
+            k: float(v) for k, v in (getattr(inner, "grad_norms_by_group", None) or {}).items()
+        },
+        "tagged": sorted(
+            name
+            for name, p in named_global_parameters(chunks)
+            if getattr(p, "grad_norm_group", None) is not None
+        ),
     }
     for q in QUANTITIES:
         norms = getattr(s, q)
@@ -273,6 +290,8 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
         pytest.skip(
             "megatron-core 0.14 has no decoupled_weight_decay: its FusedAdam is always AdamW"
         )
+    if case.layout.cfg.mtp_detach_heads and not megatron_at_least(0, 19):
+        pytest.skip("mtp_detach_heads (separately clipped MTP params) is megatron-core >= 0.19")
     results = run_ranks(_measured_run, case.layout.world, case)
     oracle = results[0]["oracle"]
     for rank, got in enumerate(results):
@@ -315,8 +334,21 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
         if case.inf:
             assert got["weights"]["total"] == pytest.approx(got["weights_before"], rel=1e-12)
         else:
-            # Megatron's own grad norm (computed when clip_grad > 0) is the grads' total.
-            assert got["grads"]["total"] == pytest.approx(got["grad_norm"], rel=REL)
+            # Megatron's own grad norm (computed when clip_grad > 0) is the grads' total, or,
+            # with separately clipped groups, the main group's; each group's is Megatron's too
+            # and the snapshots' over the params tagged with it.
+            groups = got["clip_groups"]
+            if case.layout.cfg.mtp_detach_heads:
+                assert got["tagged"] and set(groups) == {"main", "mtp"}, groups
+                mtp = math.sqrt(sum(oracle[n][1] for n in got["tagged"]))
+                assert groups["mtp"] == pytest.approx(mtp, rel=REL)
+                assert groups["mtp"] == pytest.approx(got["megatron_groups"]["mtp"], rel=REL)
+                assert groups["main"] == pytest.approx(got["grad_norm"], rel=REL)
+                main_squared = got["grads"]["total"] ** 2 - mtp**2
+                assert groups["main"] ** 2 == pytest.approx(main_squared, rel=1e-9)
+            else:
+                assert groups == {}
+                assert got["grads"]["total"] == pytest.approx(got["grad_norm"], rel=REL)
             if case.clip_grad < 1.0:
                 assert got["grad_norm"] > case.clip_grad, "the case must clip"
             for layer, ratio in got["ratio"].items():
@@ -379,6 +411,7 @@ def _native_fsdp2(mesh_shape: tuple[int, ...]) -> dict:
     }
 
 
+@NEEDS_TORCH_FSDP2
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)], ids=["fsdp2-dp2", "hsdp-2x2"])
 def test_torch_native_fsdp2(mesh: tuple[int, ...]) -> None:
     for result in run_ranks(_native_fsdp2, math.prod(mesh), mesh):
@@ -450,6 +483,7 @@ def _megatron_fsdp2() -> dict:
     not megatron_at_least(0, 19),
     reason="TorchFullyShardedDataParallel trains on CPU ranks since megatron-core 0.19 here",
 )
+@NEEDS_TORCH_FSDP2
 def test_megatron_torch_fsdp2() -> None:
     for result in run_ranks(_megatron_fsdp2, 2):
         grads, weights, updates = result["got"]
@@ -513,27 +547,33 @@ def test_layer_wise_optimizer_with_adam_leaves() -> None:
         assert abs(updates - u) <= ulp + REL * u
 
 
-def _megatron_fsdp(moe: bool) -> dict:
-    """Megatron-FSDP v1 (``optim_grads_params``): its optimizer steps DTensors whose local shards
-    view its fp32 buffers; every placement is ``Shard`` here (DP2, or EP2 with expert-DP 1), so
-    each rank's local shards, summed over ranks, are the oracle."""
-    from torch.distributed.tensor import Shard
-
+def _megatron_fsdp(moe: bool, version: int = 1) -> dict:
+    """Megatron-FSDP v1 (``optim_grads_params``) and v2 (``FullyShardedOptimizer``, megatron-core
+    main): its optimizer steps DTensors whose local shards view its fp32 buffers; every placement
+    is ``Shard`` here (DP2, or EP2 with expert-DP 1), so each rank's local shards, summed over
+    ranks, are the oracle."""
     from norm_optim.testing.megatron_fsdp import build_fsdp_model
 
     init_parallel(ep=2 if moe else 1)
-    chunks = build_fsdp_model(SMALL_MOE if moe else SMALL, seed=3)
-    inner = build_optimizer(chunks, lr=1e-2)
+    chunks = build_fsdp_model(SMALL_MOE if moe else SMALL, seed=3, version=version)
+    # v2: no clipping, so that the grads are (m_after − β₁·m_before) / (1 − β₁) of Adam's own
+    # moments: megatron-core main's v2 grad norm counts each element twice on DP2 (2.296 where
+    # that reconstruction gives 1.624, 1/√2 of it), so it is no oracle there.
+    clip = dict(clip_grad=0.0) if version == 2 else {}
+    inner = build_optimizer(chunks, lr=1e-2, use_distributed_optimizer=version == 1, **clip)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     train_step(chunks, optimizer, seed=0)
     mains = [p for g in inner.param_groups for p in g["params"]]
-    assert all(all(type(pl) is Shard for pl in p.placements) for p in mains)
+    assert all(all(type(pl).__name__ in ("Shard", "Flat") for pl in p.placements) for p in mains)
     local = [p._local_tensor for p in mains]
     before = [t.clone() for t in local]
+    states = {id(k): v for leaf in _leaves(inner) for k, v in leaf.optimizer.state.items()}
+    m_before = {i: v["exp_avg"]._local_tensor.clone() for i, v in states.items()}
     optimizer.measure_next_step()
     ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
     s = optimizer.step_norms()
     states = {id(k): v for leaf in _leaves(inner) for k, v in leaf.optimizer.state.items()}
+    beta1 = _leaves(inner)[0].optimizer.param_groups[0]["betas"][0]
     sums = torch.tensor(
         [
             math.fsum(
@@ -548,12 +588,24 @@ def _megatron_fsdp(moe: bool) -> dict:
                 float((torch.nextafter(t, torch.tensor(math.inf)) - t).double().square().sum())
                 for t in local
             ),
+            math.fsum(  # the grads Adam's moments took (unclipped: v2)
+                float(
+                    (
+                        (v["exp_avg"]._local_tensor.double() - beta1 * m_before[i].double())
+                        / (1 - beta1)
+                    )
+                    .square()
+                    .sum()
+                )
+                for i, v in states.items()
+                if i in m_before
+            ),
         ],
         dtype=torch.float64,
     )
     torch.distributed.all_reduce(sums)
     return {
-        "grad_norm": grad_norm,
+        "grad_norm": grad_norm if version == 1 else float(sums[3].sqrt()),
         "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
         "oracle": sums.sqrt().tolist(),
     }
@@ -578,12 +630,25 @@ def _megatron_fsdp(moe: bool) -> dict:
     reason="Megatron-FSDP of megatron-core 0.14 does not build with this torch",
 )
 def test_megatron_fsdp(moe: bool) -> None:
-    for result in run_ranks(_megatron_fsdp, 2, moe):
+    _check_megatron_fsdp(run_ranks(_megatron_fsdp, 2, moe))
+
+
+def _check_megatron_fsdp(results: list) -> None:
+    for result in results:
         grads, updates, exp_avg = result["got"]
-        u, m, ulp = result["oracle"]
+        u, m, ulp, _ = result["oracle"]
         assert grads == pytest.approx(result["grad_norm"], rel=REL)
         assert exp_avg == pytest.approx(m, rel=REL)
         assert abs(updates - u) <= ulp + REL * u
+
+
+@pytest.mark.skipif(
+    not megatron_at_least(0, 20), reason="Megatron-FSDP v2 exists on megatron-core main"
+)
+def test_megatron_fsdp_v2() -> None:
+    """v2's FullyShardedOptimizer steps DTensor views of its parameter groups' main-weight
+    buffers, with the grads cast to fp32 on them in prepare_grads(): read as v1 is."""
+    _check_megatron_fsdp(run_ranks(_megatron_fsdp, 2, False, 2))
 
 
 def _hybrid_offload() -> dict:
@@ -685,15 +750,8 @@ FUSED_REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
 
 def _refused(kind: str) -> str:
     init_parallel()
-    if kind == "megatron-fsdp-v2":
-        from norm_optim.testing.megatron_fsdp import build_fsdp_model
-
-        chunks = build_fsdp_model(SMALL, version=2)
-    else:
-        chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon-lion", seed=SEED)
-    if kind == "megatron-fsdp-v2":
-        inner = build_optimizer(chunks, use_distributed_optimizer=False)
-    elif kind == "precision-aware-fp16-moments":
+    chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon-lion", seed=SEED)
+    if kind == "precision-aware-fp16-moments":
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
@@ -743,18 +801,10 @@ def _refused(kind: str) -> str:
         ("te-new-flag", "'fused_new_flag'"),
         ("apex-capturable", "'capturable'"),
         ("apex-master-weights", "'master_weights'"),
-        pytest.param(
-            "megatron-fsdp-v2",
-            "Megatron-FSDP v2",
-            marks=pytest.mark.skipif(
-                not megatron_at_least(0, 20), reason="Megatron-FSDP v2 exists on megatron-core main"
-            ),
-        ),
     ],
 )
 def test_kinds_it_cannot_read_are_refused_by_name(kind: str, words: str) -> None:
-    world = 2 if kind == "megatron-fsdp-v2" else 1
-    messages = run_ranks(_refused, world, kind)
+    messages = run_ranks(_refused, 1, kind)
     assert all(words in message and "step norms" in message for message in messages), messages
 
 

@@ -123,6 +123,24 @@ class OptimizerDescriptor:
                 raise UnsupportedOptimizerError(leaf.refusal)
 
 
+def separate_clip_groups() -> tuple[str, ...]:
+    """The param groups megatron-core clips on their own, beside the main group whose grad norm
+    ``step()`` returns (0.19: ``("mtp",)``, multi-token prediction with ``mtp_detach_heads``);
+    none before."""
+    try:
+        # megatron/core/optimizer/optimizer.py (0.19-0.20.dev)
+        from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+    except ImportError:
+        return ()
+    return tuple(SEPARATE_GRAD_NORM_GROUPS)
+
+
+def clip_group_of(param: Any) -> Optional[str]:
+    """The separately clipped group a model param is tagged with (None: the main group)."""
+    # megatron/core/optimizer/optimizer.py GRAD_NORM_GROUP_ATTR (0.19-0.20.dev)
+    return getattr(param, "grad_norm_group", None)
+
+
 def step_refusal(what: str, why: str) -> str:
     """The message of a refused step: the kind, the megatron-core version, the reason."""
     return f"step norms of a {what} ({megatron_core_version_string()}): {why}"

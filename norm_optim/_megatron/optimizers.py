@@ -31,7 +31,6 @@ from .descriptor import (
     LeafDescriptor,
     OptimizerDescriptor,
     describe_leaf,
-    step_refusal,
 )
 from .holdings import Holding, leaves
 
@@ -58,11 +57,12 @@ def describe_optimizer(optimizer: Any, comm: Communicator) -> OptimizerDescripto
     their mesh facts (:mod:`.dtensor`). One optimizer over one set of process groups: a
     ``MimoOptimizer``'s modules are read one level up (:mod:`.mimo`)."""
     if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
-        why = "its grads and main weights are slices of its flat buffers, not read yet"
+        # FullyShardedOptimizer steps DTensors whose local shards are the registry's fp32 views
+        # of its parameter groups' main-weight buffers; prepare_grads() casts their DTensor
+        # grads to fp32 in place of the originals until the step is done: read like v1.
         return OptimizerDescriptor(
             tuple(describe_leaf(leaf, "megatron-fsdp-v2") for leaf in leaves(optimizer)),
             tuple(read_megatron_fsdp_v2(optimizer, comm.group_ranks)),
-            step_refusal=step_refusal("Megatron-FSDP v2 optimizer (FullyShardedOptimizer)", why),
             audit_refusal="Megatron-FSDP v2 (its weights live in its parameter groups' flat "
             "buffers)",
         )

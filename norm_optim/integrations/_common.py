@@ -192,7 +192,9 @@ RATIO_TAG = "update-to-weight"
 
 
 def step_scalars(step: StepNorms, per_param: bool) -> dict[str, float]:
-    """The scalars of one measured step: each quantity's total (``grads-norm`` ...), and with
+    """The scalars of one measured step: each quantity's total (``grads-norm`` ...; for the
+    grads, that of the main clip group, as Megatron's ``grad-norm``, and ``grads-norm/<group>``
+    of each group Megatron clips on its own, e.g. ``grads-norm/mtp``), and with
     ``per_param`` the grads' and updates' per-param / per-layer / per-expert norms and
     ``update-to-weight/layer/<layer>``."""
     out: dict[str, float] = {}
@@ -201,6 +203,10 @@ def step_scalars(step: StepNorms, per_param: bool) -> dict[str, float]:
         if norms is None:
             continue
         out[tag] = float(norms.total)
+        if field == "grads" and step.clip_groups:
+            # Megatron's grad-norm is its main group's; each separately clipped group beside it.
+            for group, value in step.clip_groups.items():
+                out[tag if group == "main" else f"{tag}/{group}"] = float(value)
         if per_param and field in ("grads", "updates"):
             for kind, named in (
                 ("param", norms.per_param),

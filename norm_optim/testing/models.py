@@ -66,6 +66,9 @@ class TinyGPTConfig:
     # Multi-token-prediction layers (on the last pipeline stage, with their own copy of the
     # embedding there: megatron marks it ``shared``).
     mtp_num_layers: int = 0
+    # megatron-core >= 0.19: detach the MTP layers' inputs and output head, and tag their params
+    # ``grad_norm_group="mtp"``: the optimizer clips them as a group of their own.
+    mtp_detach_heads: bool = False
     position_embedding_type: str = "learned_absolute"
     # Attention sinks (megatron's ``softmax_type``): "learnable" gives every attention layer a
     # ``softmax_offset`` param of one value per head, split over TP; "off-by-one" a zero buffer.
@@ -119,6 +122,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
         use_cpu_initialization=True,
         perform_initialization=cfg.perform_initialization,
         **({"mtp_num_layers": cfg.mtp_num_layers} if cfg.mtp_num_layers else {}),
+        **({"mtp_detach_heads": True} if cfg.mtp_detach_heads else {}),
         **({"softmax_type": cfg.softmax_type} if cfg.softmax_type != "vanilla" else {}),
         **(
             {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}

@@ -20,9 +20,23 @@ from typing import Any
 
 import pytest
 
+
 from norm_optim.testing.models import TinyGPTConfig
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes, oracle_norm
 from norm_optim._versions import megatron_at_least
+
+
+def _has_torch_fsdp2() -> bool:
+    import torch.distributed.fsdp as fsdp
+
+    return hasattr(fsdp, "MixedPrecisionPolicy")
+
+
+NEEDS_TORCH_FSDP2 = pytest.mark.skipif(
+    not _has_torch_fsdp2(),
+    reason="torch FSDP2's public API (torch.distributed.fsdp.fully_shard, what torch-native "
+    "FSDP2 and megatron's TorchFullyShardedDataParallel use) is torch >= 2.6",
+)
 
 DENSE = TinyGPTConfig(hidden_size=32, num_layers=4, num_attention_heads=4, vocab_size=64)
 MOE = dataclasses.replace(DENSE, num_experts=4, moe_ffn_hidden_size=32)
