@@ -733,15 +733,13 @@ def test_arming_changes_no_training_bit(name: str) -> None:
 
 # FusedAdam uses whose step is not read exactly: (stand-in, constructor flags).
 FUSED_REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
-    # (master weights, decoupled grads and bf16 moments are read: test_step_norms_precision_aware)
-    "te-master-weights-fp16": (
-        "te",
-        dict(master_weights=True, master_weight_dtype=torch.float16),
-    ),
-    "te-exp-avg-fp16": ("te", dict(exp_avg_dtype=torch.float16)),
+    # Outside megatron's precision-aware optimizer (where master weights, decoupled grads and
+    # bf16 moments are read: test_step_norms_precision_aware.py).
+    "te-master-weights": ("te", dict(master_weights=True)),
+    "te-exp-avg-bf16": ("te", dict(exp_avg_dtype=torch.bfloat16)),
     "te-exp-avg-sq-fp8": ("te", dict(exp_avg_sq_dtype=torch.uint8)),
     "te-capturable": ("te", dict(capturable=True)),
-    "te-capturable-master-weights": ("te", dict(capturable=True, master_weights=True)),
+    "te-decoupled-grad": ("te", dict(use_decoupled_grad=True)),
     "te-new-flag": ("te-new-flag", dict(fused_new_flag=True)),
     "apex-capturable": ("apex", dict(capturable=True)),
     "apex-master-weights": ("apex", dict(capturable=True, master_weights=True)),
@@ -751,13 +749,17 @@ FUSED_REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
 def _refused(kind: str) -> str:
     init_parallel()
     chunks = build_model(SMALL, use_distributed_optimizer=kind != "muon-lion", seed=SEED)
-    if kind == "precision-aware-fp16-moments":
+    if kind.startswith("precision-aware-"):
         from tests.support.precision_aware_standin import build_precision_aware_optimizer
 
         inner = build_precision_aware_optimizer(chunks)
-        # TE keeps fp16 moments scaled (a per-tensor factor): not read. (The stand-in does not
-        # step them; arming is refused before any step.)
-        _leaves(inner)[0].optimizer.exp_avg_dtype = torch.float16
+        # TE keeps fp16 moments scaled (a per-tensor factor); capturable advances its step on
+        # the device: not read. (The stand-in does not step them; arming is refused first.)
+        te = _leaves(inner)[0].optimizer
+        if kind == "precision-aware-fp16-moments":
+            te.exp_avg_dtype = torch.float16
+        else:
+            te.capturable = True
     elif kind == "muon-lion":  # Muon reads (test_step_norms_muon.py); Lion for the rest not
         inner = build_optimizer(chunks, optimizer="muon", muon_scalar_optimizer="lion")
     elif kind in FUSED_REFUSED:
@@ -783,6 +785,7 @@ def _refused(kind: str) -> str:
     "kind, words",
     [
         ("precision-aware-fp16-moments", "exp_avg_dtype=torch.float16"),
+        ("precision-aware-capturable", "capturable on"),
         pytest.param(
             "muon-lion",
             "Lion",
@@ -793,11 +796,11 @@ def _refused(kind: str) -> str:
             ),
         ),
         ("rmsprop", "RMSprop"),
-        ("te-master-weights-fp16", "master_weight_dtype=torch.float16"),
-        ("te-exp-avg-fp16", "exp_avg_dtype=torch.float16"),
+        ("te-master-weights", "'master_weights'"),
+        ("te-exp-avg-bf16", "exp_avg_dtype=torch.bfloat16"),
         ("te-exp-avg-sq-fp8", "exp_avg_sq_dtype=torch.uint8"),
         ("te-capturable", "'capturable'"),
-        ("te-capturable-master-weights", "capturable on"),
+        ("te-decoupled-grad", "'use_decoupled_grad'"),
         ("te-new-flag", "'fused_new_flag'"),
         ("apex-capturable", "'capturable'"),
         ("apex-master-weights", "'master_weights'"),

@@ -24,7 +24,7 @@ from .._errors import UnsupportedOptimizerError
 from .._versions import megatron_core_version_string
 from .._kernels import RemainderMaster
 from .holdings import Holding
-from .precision_aware import master_stepped
+from .precision_aware import master_rule, master_stepped
 from .rules import Refused, Stepped, UpdateRule, local, qualified_name, rule_for
 
 # megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (0.14-0.20.dev)
@@ -216,7 +216,7 @@ def _rule_and_stepped(
         if type(inner).__name__ == HYBRID_DEVICE_OPTIMIZER:
             why = "CPU offload of its masters is not read yet"
             return None, step_refusal("precision-aware optimizer", why), [], where
-        rule = rule_for(inner, leaf)
+        rule = master_rule(inner)
         if isinstance(rule, Refused):
             what = f"precision-aware optimizer ({qualified_name(inner)})"
             return None, step_refusal(what, rule.reason), [], where

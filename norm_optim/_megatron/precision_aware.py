@@ -36,13 +36,22 @@ import contextlib
 import math
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
-from .rules import Stepped, UpdateRule, local
+from .rules import (
+    _FUSED_ADAM_FP32,
+    TE_FUSED_ADAM,
+    Refused,
+    Stepped,
+    UpdateRule,
+    local,
+    qualified_name,
+    unread_flags,
+)
 
 # The moments' dtypes the derivation reads as they are stored (no scale).
 READ_MOMENTS = (torch.float32, torch.bfloat16)
@@ -61,6 +70,36 @@ class DecoupledGradStepped(Stepped):
     def grad(self) -> Optional[torch.Tensor]:
         grad = getattr(self.param, "decoupled_grad", None)
         return None if grad is None else local(grad)
+
+
+def master_rule(optimizer: Any) -> Union[UpdateRule, Refused]:
+    """The rule of a precision-aware optimizer's inner optimizer (TE's FusedAdam), or why it
+    cannot be read: scaled (fp16 / fp8) moments or masters, ``capturable``, a flag not read."""
+    name = qualified_name(optimizer)
+    if name != TE_FUSED_ADAM:
+        return Refused(f"its inner optimizer is {name}, not Transformer Engine's FusedAdam")
+    why = unread_flags(optimizer)
+    if why is not None:
+        return Refused(why)
+    if getattr(optimizer, "capturable", False):
+        return Refused(
+            "capturable on: the step count and lr are device tensors advanced under a found-inf "
+            "no-op, not read"
+        )
+    master = getattr(optimizer, "master_weight_dtype", torch.float32)
+    if getattr(optimizer, "master_weights", False) and master != torch.float32:
+        return Refused(f"master_weight_dtype={master}: scaled masters, not read (fp32 only)")
+    scaled = [
+        f"{flag}={getattr(optimizer, flag)}"
+        for flag in _FUSED_ADAM_FP32
+        if getattr(optimizer, flag, torch.float32) not in READ_MOMENTS
+    ]
+    if scaled:
+        return Refused(f"{scaled}: scaled moments, not read (fp32 and bf16 moments are)")
+    mode = getattr(optimizer, "adam_w_mode", None)
+    if mode not in (0, 1, False, True):
+        return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
+    return MasterAdamRule(bool(mode))
 
 
 def master_stepped(inner: Any, rule: UpdateRule) -> list[Stepped]:

@@ -314,10 +314,11 @@ class SGDRule(UpdateRule):
 # - AdamW (mode 1): the same moments of ``g``; ``p -= lr · ((m/bc1) / (sqrt(v/bc2) + eps) + wd·p)``
 #   (``p`` the value before the step), i.e. torch AdamW's ``p·(1 − lr·wd) − lr·m̂/denom``;
 # - a param whose grad is None is skipped (TE creates its zero state anyway);
-# - ``capturable`` (step / lr as device tensors, a found-inf no-op), ``master_weights`` (an fp32
-#   copy beside the param) and TE's non-fp32 ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (scaled
-#   moments), ``use_decoupled_grad`` and ``store_param_remainders`` change what is stepped or
-#   stored: refused.
+# - ``capturable`` (step / lr as device tensors, a found-inf no-op): refused; TE's
+#   ``master_weights`` (an fp32 copy beside the param), ``use_decoupled_grad``,
+#   ``store_param_remainders`` and bf16 ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` change what is
+#   stepped or stored: refused here; in megatron's precision-aware optimizer, the one use of
+#   them megatron builds, derived before the step by :mod:`.precision_aware`.
 APEX_FUSED_ADAM = "apex.optimizers.fused_adam.FusedAdam"
 TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
 _FUSED_ADAM_FLAGS = {
@@ -444,26 +445,27 @@ def _orthogonalized(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
     return OrthogonalizedRule() if why is None else Refused(why)
 
 
-def _fused_adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
-    name = qualified_name(optimizer)
-    known = _FUSED_ADAM_FLAGS[name]
+def unread_flags(optimizer: Any) -> Optional[str]:
+    """Why a FusedAdam's constructor cannot be trusted (it takes a flag norm_optim has not read:
+    a later release), else None."""
+    known = _FUSED_ADAM_FLAGS[qualified_name(optimizer)]
     taken = [
         p.name
         for p in inspect.signature(type(optimizer).__init__).parameters.values()
         if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     unknown = sorted(set(taken) - known)
-    if unknown:
-        return Refused(f"its constructor takes {unknown}, flags norm_optim has not read")
-    # TE's master weights, decoupled grads or non-fp32 moments: the precision-aware use.
-    te_master = name == TE_FUSED_ADAM and (
-        any(getattr(optimizer, f, False) for f in ("master_weights", "use_decoupled_grad"))
-        or any(getattr(optimizer, f, torch.float32) != torch.float32 for f in _FUSED_ADAM_FP32)
-    )
-    if te_master:
-        return _te_master(optimizer)
+    return f"its constructor takes {unknown}, flags norm_optim has not read" if unknown else None
+
+
+def _fused_adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
+    why = unread_flags(optimizer)
+    if why is not None:
+        return Refused(why)
     on = [flag for flag in _FUSED_ADAM_OFF if getattr(optimizer, flag, False)]
     if on:
+        # (TE's master weights and decoupled grads are read in the precision-aware optimizer,
+        # megatron's one use of them: .precision_aware.)
         return Refused(f"{on} on: its step is not read exactly (fp32 use only)")
     narrow = [
         f"{flag}={getattr(optimizer, flag)}"
@@ -476,32 +478,6 @@ def _fused_adam(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
     if mode not in (0, 1, False, True):
         return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
     return FusedAdamRule(bool(mode))
-
-
-def _te_master(optimizer: Any) -> Union[UpdateRule, Refused]:
-    """TE's FusedAdam with master weights, decoupled grads or bf16 moments (the precision-aware
-    optimizer): derived before its step (:mod:`.precision_aware`), where it is exact."""
-    from .precision_aware import READ_MOMENTS, MasterAdamRule
-
-    if getattr(optimizer, "capturable", False):
-        return Refused(
-            "capturable on: the step count and lr are device tensors advanced under a found-inf "
-            "no-op, not read"
-        )
-    master = getattr(optimizer, "master_weight_dtype", torch.float32)
-    if getattr(optimizer, "master_weights", False) and master != torch.float32:
-        return Refused(f"master_weight_dtype={master}: scaled masters, not read (fp32 only)")
-    scaled = [
-        f"{flag}={getattr(optimizer, flag)}"
-        for flag in _FUSED_ADAM_FP32
-        if getattr(optimizer, flag, torch.float32) not in READ_MOMENTS
-    ]
-    if scaled:
-        return Refused(f"{scaled}: scaled moments, not read (fp32 and bf16 moments are)")
-    mode = getattr(optimizer, "adam_w_mode", None)
-    if mode not in (0, 1, False, True):
-        return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
-    return MasterAdamRule(bool(mode))
 
 
 RULES: tuple[tuple[str, RuleBuilder], ...] = (
