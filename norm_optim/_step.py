@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, ContextManager, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -213,15 +213,16 @@ class StepPlan:
     def grads(self) -> list[Optional[torch.Tensor]]:
         return [None if e is None else e.grad for e in self.entries]
 
-    def around_step(self) -> ContextManager[None]:
+    @contextlib.contextmanager
+    def around_step(self) -> Iterator[None]:
         """The step runs inside: each in-step rule reads its tensors' updates."""
-        stack = contextlib.ExitStack()
         by_rule: dict[int, tuple[UpdateRule, list[Stepped]]] = {}
         for entry, _ in self._in_step:
             by_rule.setdefault(id(entry.rule), (entry.rule, []))[1].append(entry)
-        for rule, entries in by_rule.values():
-            stack.enter_context(rule.around_step(entries))
-        return stack
+        with contextlib.ExitStack() as stack:
+            for rule, entries in by_rule.values():
+                stack.enter_context(rule.around_step(entries))
+            yield
 
     def momentum(self) -> list[Optional[torch.Tensor]]:
         """Each tensor's momentum buffer (Muon's; None for the other rules)."""
