@@ -27,8 +27,13 @@ under 5 minutes. Each row of the table is one measurement:
                  ``megatron.training.utils.calc_params_l2_norm`` (as is and with
                  ``force_create_fp32_copy=True``; skipped where ``megatron.training`` does not
                  import) and a naive ``[p.float() for p in params]`` norm: time to a host float,
-                 relative error and extra peak GPU memory of one call. Without megatron-core the
-                 row says ``skipped: megatron-core not installed``.
+                 relative error and extra peak GPU memory of one call. Then an armed ``step()``
+                 (``measure_next_step()`` + ``step()`` + ``step_norms()``) against a plain one on
+                 the same grads: its time and the ratio, the aten ops it adds per param tensor
+                 (each a kernel launch), its extra ``max_memory_allocated``, the grads' total
+                 against the grad norm ``step()`` returns; and ``audit()``: its time, extra
+                 memory and verdict. Without megatron-core the row says ``skipped: megatron-core
+                 not installed``.
 ===============  ==================================================================================
 
 Without CUDA it prints one line saying so (and what it would run) and exits 0. ``--device cpu``
@@ -606,6 +611,85 @@ def _optimizer_rows(
     rows.append(
         _megatron_measure(
             "naive [p.float() for p in params]", naive, oracle, device, opts, **fields
+        )
+    )
+    rows += _step_rows(wrapped, params, label, device, opts, fields)
+    return rows
+
+
+def _step_rows(
+    wrapped: Any,
+    params: Sequence[torch.nn.Parameter],
+    label: str,
+    device: torch.device,
+    opts: Options,
+    fields: dict[str, Any],
+) -> list[Row]:
+    """An armed ``step()`` (+ ``step_norms()``) against a plain one on the same grads: time,
+    extra aten ops per param tensor (each a kernel launch on CUDA), extra peak GPU memory, and
+    the grads' total against the grad norm Megatron's ``step()`` returns; then ``audit()``."""
+    from benchmarks.step_norms import aten_ops
+
+    trainable = [p for p in params if getattr(p, "main_grad", None) is not None]
+
+    def set_grads() -> None:  # the same grads before every step
+        for i, p in enumerate(trainable):
+            p.main_grad.fill_(1e-3 * (1 + i % 7))
+
+    def plain() -> Any:
+        set_grads()
+        return wrapped.step()
+
+    def armed() -> Any:
+        set_grads()
+        wrapped.measure_next_step()
+        out = wrapped.step()
+        return out, wrapped.step_norms()
+
+    rows: list[Row] = []
+    what = "armed step() + step_norms()"
+    try:
+        with torch.no_grad():
+            plain()  # the optimizer's state exists from here on
+            (_, grad_norm, _), norms = armed()
+            plain_s = median_seconds(plain, device, opts)
+            armed_s = median_seconds(lambda: float(armed()[1].updates.total), device, opts)
+            _, plain_peak = extra_peak_bytes(plain, device)
+            _, armed_peak = extra_peak_bytes(armed, device)
+            extra_ops = (aten_ops(armed) - aten_ops(plain)) / max(len(trainable), 1)
+    except Exception as error:
+        return [row("megatron", what, note=f"{label}; error: {_first_line(error)}")]
+    extra = None if armed_peak is None or plain_peak is None else armed_peak - plain_peak
+    grads = float(norms.grads.total)
+    rows.append(
+        row(
+            "megatron",
+            what,
+            **fields,
+            median_ms=armed_s * 1e3,
+            rel_error=rel_error(grads, float(grad_norm)) if grad_norm else None,
+            extra_peak_bytes=extra,
+            note=f"{label}; plain step {plain_s * 1e3:.3g} ms ({armed_s / plain_s:.2f}x); "
+            f"{extra_ops:.1f} extra aten ops per param tensor; grads {grads:.6g} "
+            f"(step() returned {grad_norm})",
+        )
+    )
+    try:
+        with torch.no_grad():
+            report, peak = extra_peak_bytes(wrapped.audit, device)
+            seconds = median_seconds(wrapped.audit, device, opts)
+    except Exception as error:
+        rows.append(row("megatron", "audit()", note=f"{label}; error: {_first_line(error)}"))
+        return rows
+    note = f"{label}; {'ok' if report.ok else 'FINDINGS'}: {len(report.findings)} findings"
+    rows.append(
+        row(
+            "megatron",
+            "audit()",
+            **fields,
+            median_ms=seconds * 1e3,
+            extra_peak_bytes=peak,
+            note=note,
         )
     )
     return rows

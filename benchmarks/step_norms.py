@@ -31,7 +31,7 @@ REPEATS = 5
 READ_BYTES = {"param_l2_norm": 4, "armed": 4 + 4 + 8 + 12}
 
 
-def _aten_ops(fn: Callable[[], Any]) -> int:
+def aten_ops(fn: Callable[[], Any]) -> int:
     """How many aten ops ``fn`` dispatches (torch's dispatch mode: a ``torch._foreach_*`` call
     over a list is one op, as it is one kernel launch per list on an accelerator)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,8 +83,8 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     plain, total_only, per_param = optimizer.step, armed(False), armed(True)
     for fn in (plain, total_only, per_param):  # warm up (per-param: the names exchange)
         fn()
-    ops = {name: _aten_ops(fn) for name, fn in (("plain", plain), ("armed", total_only))}
-    ops["armed_per_param"] = _aten_ops(per_param)
+    ops = {name: aten_ops(fn) for name, fn in (("plain", plain), ("armed", total_only))}
+    ops["armed_per_param"] = aten_ops(per_param)
     # The armed step's own work, isolated (Adam's temporaries vary by megabytes from one plain
     # step to the next, so "armed minus plain" measures noise): the grads' sums as the hook
     # takes them, and everything after the step (weights, derived updates, moments, packet).

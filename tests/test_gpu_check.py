@@ -244,3 +244,12 @@ def test_cpu_dry_run_writes_the_table(tmp_path: pathlib.Path) -> None:
         return  # no megatron-core in this environment
     assert len(megatron) == 2, rows  # Float16 and distributed optimizer
     assert all(r["rel_error"] < 1e-6 for r in megatron), megatron
+    # An armed step and an audit on each optimizer: measured, no error, the grads' total equal
+    # to the grad norm Megatron's step() returns, a clean audit.
+    steps = [r for r in rows if r["what"] == "armed step() + step_norms()"]
+    assert len(steps) == 2 and all("error" not in r["note"] for r in steps), steps
+    # (Megatron's norm sums in fp32: 3.8e-6 off on these constant grads; ours in float64.)
+    assert all(r["rel_error"] < 1e-5 and r["median_ms"] > 0 for r in steps), steps
+    assert all("extra aten ops per param tensor" in r["note"] for r in steps), steps
+    audits = [r for r in rows if r["what"] == "audit()"]
+    assert len(audits) == 2 and all(" ok: 0 findings" in r["note"] for r in audits), audits

@@ -27,6 +27,7 @@ import torch
 
 from norm_optim import NormAwareOptimizer, TorchCommunicator, UnsupportedOptimizerError
 from norm_optim._versions import megatron_at_least
+from norm_optim.integrations._common import step_scalars
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
@@ -260,6 +261,8 @@ def _measured_run(case: Case) -> dict:
         "has_moments": s.exp_avg is not None,
         "ratio": {k: float(v) for k, v in (s.update_to_weight or {}).items()},
         "clip_groups": {k: float(v) for k, v in s.clip_groups.items()},
+        # What the loops (megatron_lm / megatron_bridge install(step_norms=True)) write.
+        "scalars": step_scalars(s, per_param=False),
         "megatron_groups": {
             k: float(v) for k, v in (getattr(inner, "grad_norms_by_group", None) or {}).items()
         },
@@ -344,6 +347,10 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
                 assert groups["mtp"] == pytest.approx(mtp, rel=REL)
                 assert groups["mtp"] == pytest.approx(got["megatron_groups"]["mtp"], rel=REL)
                 assert groups["main"] == pytest.approx(got["grad_norm"], rel=REL)
+                # megatron.training 0.19 has no flag for mtp_detach_heads: the loops' scalars
+                # are checked here, on the same step.
+                assert got["scalars"]["grads-norm"] == pytest.approx(got["grad_norm"], rel=REL)
+                assert got["scalars"]["grads-norm/mtp"] == groups["mtp"]
                 main_squared = got["grads"]["total"] ** 2 - mtp**2
                 assert groups["main"] ** 2 == pytest.approx(main_squared, rel=1e-9)
             else:

@@ -235,13 +235,25 @@ def _adam_updates(
         states = [entries[i].state for i in index]
         o = [out[i] for i in index]
         v = [s["max_exp_avg_sq" if amsgrad else "exp_avg_sq"] for s in states]
+        m = [s["exp_avg"] for s in states]
+        p = [entries[i].held for i in index]
+        if o[0].device.type == "cpu":
+            # No kernel launches to save on CPU, but passes over memory: out= ops take four
+            # (the list operations, in place only, six: a copy first, 1/x then a product).
+            for oi, vi, mi, pi in zip(o, v, m, p):
+                torch.sqrt(vi, out=oi)
+                oi.add_(eps)
+                torch.div(mi, oi, out=oi)
+                if decay:
+                    oi.add_(pi, alpha=decay)
+            continue
         torch._foreach_copy_(o, v)
         torch._foreach_sqrt_(o)
         torch._foreach_add_(o, eps)
         torch._foreach_reciprocal_(o)
-        torch._foreach_mul_(o, [s["exp_avg"] for s in states])
+        torch._foreach_mul_(o, m)
         if decay:
-            torch._foreach_add_(o, [entries[i].held for i in index], alpha=decay)
+            torch._foreach_add_(o, p, alpha=decay)
     return [s.scale for s in scalars]
 
 
