@@ -23,7 +23,7 @@ from norm_optim.testing.models import build_model, build_optimizer
 from norm_optim._patching import patches_applied
 
 from benchmarks.param_norm.names import all_gather_object_traffic, group_sums
-from tests.support.traffic import counting_patches
+from norm_optim.testing.comm import counting_patches
 from tests.support.layouts import MOE, SMALL, SMALL_MOE, Layout
 
 LAYOUTS = {

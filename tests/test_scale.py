@@ -4,7 +4,7 @@ every size, and the bytes each rank receives during ``audit()`` flat in the grou
 Real megatron-core Float16 optimizers on CPU gloo ranks (whole fp32 mains, replicated over DP).
 Each run trains a step, audits clean, then adds faults one scenario at a time
 (``norm_optim.testing.inject_fault_``) and audits again on every rank. The bytes are counted at
-``torch.distributed``'s primitives (``tests.support.traffic``): deterministic, not timed.
+``torch.distributed``'s primitives (``norm_optim.testing.comm.counting_patches``): deterministic, not timed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from norm_optim.testing.comm import Traffic
 from norm_optim.testing.faults import inject_fault_
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from tests.support.layouts import SMALL, Layout
-from tests.support.traffic import counting_patches
+from norm_optim.testing.comm import counting_patches
 
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"

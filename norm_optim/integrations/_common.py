@@ -369,7 +369,8 @@ class CheckpointParity:
         verdict = None
         if _global_rank() == 0:  # one reader: not 16,384 opens of one file at load
             verdict = self._compare(os.path.join(directory, NORMS_FILE), norms)
-        verdict = TorchCommunicator().broadcast_object(verdict, 0, None)
+        comm = optimizer._state.comm if isinstance(optimizer, NormAwareOptimizer) else None
+        verdict = (comm or TorchCommunicator()).broadcast_object(verdict, 0, None)
         saved, differ, count = verdict["saved_total"], verdict["differ"], verdict["count"]
         self.at_load = dict(
             norms,
