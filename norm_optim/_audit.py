@@ -94,6 +94,8 @@ def run_audit(
                 continue  # no copies (or no such group) here, nor on any peer
             compared.append((check.label, len(check.records)))
             found, mixed = _compare(check, weights, mains, comm, me, layout)
+            if me == comm.first_rank(check.group):
+                findings += found  # one reporter per copy group
             shard = layout.shard_replicas
             if check.label in _SHARDED and mixed and _size(comm, shard) > 1:
                 # Mains whose holders hold different shards: the ranks that hold the same shard
@@ -101,9 +103,9 @@ def run_audit(
                 # ``mixed`` alike, and the shard group lies inside it.
                 shards = dataclasses.replace(check, label="main-shard-replicas", group=shard)
                 compared.append((shards.label, len(mixed)))
-                found += _compare(shards, {}, mains, comm, me, layout, rows=mixed)[0]
-            if me == comm.first_rank(check.group):
-                findings += found  # one reporter per copy group
+                found = _compare(shards, {}, mains, comm, me, layout, rows=mixed)[0]
+                if me == comm.first_rank(shard):
+                    findings += found
     left_out = tuple(
         (r.global_name, "overlap-param-gather: its all-gather may be in flight")
         for r in records
@@ -299,9 +301,9 @@ def _compare(
         return [], set()
     table, held = _table(check, weights, mains, rows, device)
     low, high = min_max(comm, table, held, check.group)
-    differ = (low < high).cpu()
-    names_differ = differ[:, _NAME]
-    same_range = (low[:, _RANGE] == high[:, _RANGE]).cpu()
+    same = (low[:, _RANGE] == high[:, _RANGE]).unsqueeze(1)
+    differ = torch.cat([low < high, same], dim=1).cpu()  # one host sync for the table
+    names_differ, same_range = differ[:, _NAME], differ[:, -1]
     items = [(r, _NAME) for r in names_differ.nonzero().flatten().tolist()]
     ok = ~names_differ
     items += [(r, _WEIGHT) for r in (ok & differ[:, _WEIGHT]).nonzero().flatten().tolist()]
@@ -311,10 +313,7 @@ def _compare(
         return [], mixed
     at = torch.tensor(items, dtype=torch.int64, device=device).view(-1, 2)
     pick = (at[:, 0], at[:, 1])
-    norms = [
-        _norm(check.records[row], column, layout) if bool(held[row, column]) else None
-        for row, column in items
-    ]
+    norms = _norms(check, items, held[pick].tolist(), layout)
     verdicts = vote(comm, table[pick], held[pick], low[pick], high[pick], norms, me, check.group)
     kinds = {
         _NAME: FindingKind.NOT_COMPARABLE,
@@ -327,14 +326,25 @@ def _compare(
     ], mixed
 
 
-def _norm(record: ParamRecord, column: int, layout: AuditLayout) -> Optional[float]:
-    """The L2 norm of this rank's copy an item compares (none for a name)."""
-    if column == _NAME:
-        return None
-    tensor = _weight(record, layout) if column == _WEIGHT else _own_main(record, layout)
-    if tensor is None:
-        return None
-    return float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64))
+def _norms(
+    check: _Check, items: list[tuple[int, int]], held: list[bool], layout: AuditLayout
+) -> list[Optional[float]]:
+    """The L2 norm of this rank's copy each item compares (None for a name, or a copy this
+    rank does not hold): computed on the device, read with one host sync."""
+    found: list[tuple[int, torch.Tensor]] = []
+    for i, ((row, column), mine) in enumerate(zip(items, held)):
+        record = check.records[row]
+        tensor = None
+        if mine and column != _NAME:
+            tensor = _weight(record, layout) if column == _WEIGHT else _own_main(record, layout)
+        if tensor is not None:
+            found.append((i, torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)))
+    norms: list[Optional[float]] = [None] * len(items)
+    if found:
+        values = torch.stack([norm.to(found[0][1].device) for _, norm in found]).tolist()
+        for (i, _), value in zip(found, values):
+            norms[i] = value
+    return norms
 
 
 def _finding(name: str, kind: FindingKind, verdict: Verdict) -> Finding:

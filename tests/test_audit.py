@@ -91,8 +91,11 @@ CASES = {
     "dp4-2instances": Case(
         Layout(4, SMALL, instances=2),
         True,
-        # ranks 0 and 2 hold the same shard, one in each instance
-        (Fault(ANY_MAIN, "main-replicas-differ", 2, what="main"),),
+        # ranks 0 and 2 (1 and 3) hold the same shard, one in each instance
+        (
+            Fault(ANY_MAIN, "main-replicas-differ", 2, what="main"),
+            Fault(ANY_MAIN, "main-replicas-differ", 3, what="main"),
+        ),
         ddp=(("num_distributed_optimizer_instances", 2),),
     ),
     "dp2-overlap-param-gather": Case(
