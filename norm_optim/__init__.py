@@ -7,7 +7,7 @@ Wrap the optimizer once; ask for the norm at log intervals::
     norm = optimizer.param_l2_norm()   # float(norm) is the global L2 norm of the weights
 """
 
-from ._audit import AuditError, AuditReport, Finding, FindingKind
+from ._findings import AuditError, AuditReport, Finding, FindingKind
 from ._comm import Communicator, TorchCommunicator
 from ._errors import (
     NormOptimError,

@@ -7,125 +7,39 @@ rank the model weight that is the rounding of the fp32 main (or main shard) it h
 breaks, the norm and the training are silently wrong. :func:`run_audit` checks them all:
 
 1. one pass over this rank's tensors: a bitwise fingerprint of every model weight and every
-   fp32 main that has storage of its own (:mod:`norm_optim._kernels.fingerprint`), and, for
-   every main this rank holds, the count of weight elements that are not its rounding;
-2. per group of copies (:class:`~norm_optim._megatron.audit.AuditLayout`): one all-gather of
-   the slot count, one of the slots (8 int64 per param): sized by params, never by elements;
-3. one all-reduce of the number of findings over the reduction group and, only when there are
-   any, one object all-gather of them, so that every rank returns the same findings.
+   fp32 main that has storage of its own (:mod:`norm_optim._kernels.fingerprint`), folded into
+   one int64 key per copy, and, for every main this rank holds, the count of weight elements
+   that are not its rounding;
+2. per group of copies (:class:`~norm_optim._megatron.audit.AuditLayout`): an all-reduce MIN /
+   MAX of the param count, then of a ``[params, 4]`` table (name digest, weight key, main range,
+   main key): a copy differs where MIN != MAX. Only for those, a vote
+   (:func:`norm_optim._reduced.vote`: one SUM, one MIN) names the majority side and the ranks
+   off it. Every member derives the same findings from the same reduced values;
+3. the findings travel to every rank as fixed-size records (:mod:`norm_optim._audit_exchange`),
+   one contribution per copy group (its first rank) and per stale rank: one all-reduce when
+   there is nothing to tell.
 
-Every rank enters the same collectives whatever it holds (an empty list still gathers).
+Bytes and work per rank are O(params), whatever the groups' sizes; every rank enters the same
+collectives whatever it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 from typing import Optional, Sequence
 
 import torch
 
+from ._audit_exchange import share_findings
 from ._comm import Communicator, ProcessGroup
-from ._errors import NormOptimError
-from ._kernels.fingerprint import FingerprintPass, largest_difference, stale_elements
+from ._findings import AuditError, AuditReport, Finding, FindingKind
+from ._kernels.fingerprint import GOLDEN, FingerprintPass, largest_difference, stale_elements
 from ._megatron.audit import AuditLayout
+from ._reduced import Verdict, min_max, vote
 from ._registry import ParamRecord
 
-
-class FindingKind(str, enum.Enum):
-    """What a :class:`Finding` says differs."""
-
-    DP_REPLICAS_DIFFER = "dp-replicas-differ"  # a dense weight across DP×CP ranks
-    EXPERT_DP_REPLICAS_DIFFER = "expert-dp-replicas-differ"  # an expert weight across expert-DP
-    TP_DUPLICATES_DIFFER = "tp-duplicates-differ"  # a weight TP does not split, across TP
-    EXPERT_TP_DUPLICATES_DIFFER = "expert-tp-duplicates-differ"  # the same across expert-TP
-    GTP_COPIES_DIFFER = "gtp-copies-differ"  # a weight GTP does not shard, across (expert) GTP
-    MESH_REPLICAS_DIFFER = "mesh-replicas-differ"  # a DTensor across a Replicate mesh axis
-    TIED_COPIES_DIFFER = "tied-copies-differ"  # word embeddings vs the output weight tied to them
-    MAIN_REPLICAS_DIFFER = "main-replicas-differ"  # fp32 mains (or one shard) across (expert) DP
-    MAIN_TP_DUPLICATES_DIFFER = "main-tp-duplicates-differ"  # fp32 mains of TP duplicates
-    WEIGHT_STALE = "weight-stale-against-main"  # weight != rounding of the main this rank holds
-    NOT_COMPARABLE = "copies-not-comparable"  # peers of a group hold different param lists
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class AuditError(NormOptimError):
-    """Raised by :meth:`AuditReport.raise_for_findings` when copies differ."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """One group of copies that are not equal, or one stale weight.
-
-    Attributes:
-        param: the layout-independent name (the keys of ``param_l2_norms(per_param=True)``).
-        kind: what differs (:class:`FindingKind`).
-        ranks: global ranks involved: those whose copy differs from the majority's, or every
-            holder when there is no majority (two copies); the rank itself for a stale weight.
-        distinct: how many different fingerprints the copies have.
-        elements: for a stale weight, how many elements are not the rounding of the main.
-        max_abs_diff: for a stale weight, the largest |weight - rounding of main|.
-        norms: (global rank, L2 norm of its copy) for every holder: how far apart the copies
-            are at least (|‖a‖ - ‖b‖| <= ‖a - b‖).
-    """
-
-    param: str
-    kind: FindingKind
-    ranks: tuple[int, ...]
-    distinct: int = 1
-    elements: Optional[int] = None
-    max_abs_diff: Optional[float] = None
-    norms: tuple[tuple[int, float], ...] = ()
-
-    def __str__(self) -> str:
-        far = (
-            f"{self.elements} elements, max |diff| {self.max_abs_diff:.3g}"
-            if self.elements is not None
-            else f"{self.distinct} distinct fingerprints"
-        )
-        norms = ", ".join(f"rank {r}: {n:.9g}" for r, n in self.norms)
-        return f"{self.kind} {self.param!r} on ranks {list(self.ranks)}: {far}" + (
-            f" (norms {norms})" if norms else ""
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditReport:
-    """What :meth:`~norm_optim.NormAwareOptimizer.audit` found; ``ok`` and ``findings`` are the
-    same on every rank.
-
-    Attributes:
-        findings: every copy group that differs and every stale weight, sorted.
-        left_out: (param, why) for weights this rank could not compare now (e.g. an
-            overlap-param-gather all-gather may be in flight); this rank's own list.
-        compared: how many copy groups of each check this rank took part in (its own count).
-    """
-
-    findings: tuple[Finding, ...]
-    left_out: tuple[tuple[str, str], ...] = ()
-    compared: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        """True when no copy differs and no weight is stale."""
-        return not self.findings
-
-    def summary(self) -> str:
-        """One line, then one per finding."""
-        head = (
-            f"audit: {len(self.findings)} findings; compared "
-            + ", ".join(f"{n} {k}" for k, n in self.compared)
-            + (f"; {len(self.left_out)} weights left out here" if self.left_out else "")
-        )
-        return "\n".join([head, *(f"  {f}" for f in self.findings)])
-
-    def raise_for_findings(self) -> None:
-        """Raise :class:`AuditError` listing the findings, if there are any."""
-        if self.findings:
-            raise AuditError(self.summary())
+__all__ = ["AuditError", "AuditReport", "Finding", "FindingKind", "run_audit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +54,17 @@ class _Check:
     by_name: bool = True
 
 
-# Slot columns (int64): name hash, flags, weight fingerprint (2), main fingerprint (2), main
-# offset, main numel.
-_WIDTH = 8
-_WEIGHT_OK, _HAS_MAIN = 1, 2
+def _signed(value: int) -> int:
+    value %= 1 << 64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# A fingerprint (s, t) folds into one int64 key s * _MIX + t. With _MIX = -2**32 * GOLDEN, one
+# changed element i (the fingerprint's own guarantee) changes it by d * GOLDEN * (i - 2**32)
+# with |d| < 2**32: never a multiple of 2**64 for i < 2**32; a swap changes t alone.
+_MIX = _signed(-(1 << 32) * GOLDEN)
+# Table columns: name digest, weight key, main range (offset, numel), main key.
+_NAME, _WEIGHT, _RANGE, _MAIN = range(4)
 
 
 def run_audit(
@@ -172,13 +93,33 @@ def run_audit(
             if check.group is None or comm.size(check.group) == 1:
                 continue  # no copies (or no such group) here, nor on any peer
             compared.append((check.label, len(check.records)))
-            findings += _compare(check, weights, mains, comm, me, layout)
+            found, mixed = _compare(check, weights, mains, comm, me, layout)
+            if me == comm.first_rank(check.group):
+                findings += found  # one reporter per copy group
+            shard = layout.shard_replicas
+            if check.label in _SHARDED and mixed and _size(comm, shard) > 1:
+                # Mains whose holders hold different shards: the ranks that hold the same shard
+                # (one per optimizer instance) compare them; every member of this group knows
+                # ``mixed`` alike, and the shard group lies inside it.
+                shards = dataclasses.replace(check, label="main-shard-replicas", group=shard)
+                compared.append((shards.label, len(mixed)))
+                found = _compare(shards, {}, mains, comm, me, layout, rows=mixed)[0]
+                if me == comm.first_rank(shard):
+                    findings += found
     left_out = tuple(
         (r.global_name, "overlap-param-gather: its all-gather may be in flight")
         for r in records
         if id(r.param) in layout.gathering
     )
-    return AuditReport(_agree(findings, comm, group), left_out, tuple(compared))
+    shown, omitted = share_findings(findings, comm, group)
+    return AuditReport(shown, left_out, tuple(compared), omitted)
+
+
+_SHARDED = ("dp-replicas", "expert-dp-replicas")  # checks whose mains may be shards
+
+
+def _size(comm: Communicator, group: ProcessGroup) -> int:
+    return comm.size(group) if group is not None else 1
 
 
 def _weight(record: ParamRecord, layout: AuditLayout) -> torch.Tensor:
@@ -303,38 +244,35 @@ def _name_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _slots(
+def _table(
     check: _Check,
     weights: dict[int, torch.Tensor],
     mains: dict[int, torch.Tensor],
+    rows: Optional[set[int]],
     device: torch.device,
-) -> torch.Tensor:
-    """This rank's ``[params, 8]`` int64 slot table for ``check``: the names, flags and ranges
-    built on the host in one tensor, the fingerprints stacked on the device (two transfers in
-    all, never one per param)."""
-    if not check.records:
-        return torch.zeros((0, _WIDTH), dtype=torch.int64, device=device)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[params, 4]`` int64 table for ``check`` and the mask of what it holds:
+    names and ranges built on the host in one tensor, the fingerprints stacked and folded on
+    the device (two transfers in all, never one per param)."""
     zero = torch.zeros(2, dtype=torch.int64, device=device)
-    heads, prints = [], []
-    for record in check.records:
+    heads, held, prints = [], [], []
+    for row, record in enumerate(check.records):
         key = id(record.param)
-        weight, main = weights.get(key), mains.get(key)
-        flags = (_WEIGHT_OK if weight is not None else 0) | (_HAS_MAIN if main is not None else 0)
-        numel = record.tensor.numel() if main is not None and record.tensor is not None else 0
-        heads.append(
-            [
-                _name_hash(record.global_name) if check.by_name else 0,
-                flags,
-                record.offset if main is not None else 0,
-                numel,
-            ]
-        )
+        weight = weights.get(key)
+        main = mains.get(key) if rows is None or row in rows else None
+        numel = record.tensor.numel() if main is not None else 0
+        offset = record.offset if main is not None else 0
+        heads.append([_name_hash(record.global_name) if check.by_name else 0, offset, numel])
+        held.append([check.by_name, weight is not None, main is not None, main is not None])
         prints.append(weight.to(device) if weight is not None else zero)
         prints.append(main.to(device) if main is not None else zero)
-    head = torch.tensor(heads, dtype=torch.int64).to(device)
-    fingerprints = torch.stack(prints).view(len(heads), 4)
-    # Columns: name hash, flags, weight fingerprint (2), main fingerprint (2), main range (2).
-    return torch.cat([head[:, :2], fingerprints, head[:, 2:]], dim=1)
+    head = torch.tensor(heads, dtype=torch.int64).view(-1, 3).to(device)
+    folded = torch.stack(prints).view(-1, 2, 2) if prints else zero.view(0, 2, 2)
+    keys = folded[..., 0] * _MIX + folded[..., 1]  # int64 wraps: [params, (weight, main)]
+    table = torch.stack(
+        [head[:, 0], keys[:, 0], head[:, 1] * (1 << 32) + head[:, 2], keys[:, 1]], dim=1
+    )
+    return table, torch.tensor(held, dtype=torch.bool).view(-1, 4).to(device)
 
 
 def _compare(
@@ -344,98 +282,89 @@ def _compare(
     comm: Communicator,
     me: int,
     layout: AuditLayout,
-) -> list[Finding]:
-    """Gather ``check``'s slots over its group and find the copies that differ (every member
-    finds the same); two all-gathers."""
+    rows: Optional[set[int]] = None,
+) -> tuple[list[Finding], set[int]]:
+    """The findings of ``check`` (the same on every member of its group) and the rows whose
+    main holders hold different ranges (shards); with ``rows``, only those rows' mains.
+
+    Collectives: one MIN of the param count, one MIN of the table, and a vote (a SUM and a
+    MIN) over the items that differ, only when some do."""
     device = comm.device(check.group)
-    slots = _slots(check, weights, mains, device)
-    header = torch.tensor([slots.shape[0], me], dtype=torch.int64, device=device)
-    heads = comm.all_gather_tensor(header, check.group).tolist()
-    ranks = [int(rank) for _, rank in heads]
-    if len({int(n) for n, _ in heads}) > 1:
-        return [
-            Finding(
-                f"<{check.label}: {[int(n) for n, _ in heads]} params>",
-                FindingKind.NOT_COMPARABLE,
-                tuple(sorted(ranks)),
-                distinct=len({int(n) for n, _ in heads}),
-            )
-        ]
-    if slots.shape[0] == 0 or len(ranks) == 1:
-        return []
-    table = comm.all_gather_tensor(slots, check.group)  # [group size, params, _WIDTH]
+    count = torch.tensor([len(check.records)], dtype=torch.int64, device=device)
+    held = torch.ones_like(count, dtype=torch.bool)
+    low, high = min_max(comm, count, held, check.group)
+    if int(low) != int(high):
+        (verdict,) = vote(comm, count, held, low, high, [None], me, check.group)
+        name = f"<{check.label}: {int(low)} to {int(high)} params>"
+        return [_finding(name, FindingKind.NOT_COMPARABLE, verdict)], set()
+    if not check.records:
+        return [], set()
+    table, held = _table(check, weights, mains, rows, device)
+    low, high = min_max(comm, table, held, check.group)
+    same = (low[:, _RANGE] == high[:, _RANGE]).unsqueeze(1)
+    differ = torch.cat([low < high, same], dim=1).cpu()  # one host sync for the table
+    names_differ, same_range = differ[:, _NAME], differ[:, -1]
+    items = [(r, _NAME) for r in names_differ.nonzero().flatten().tolist()]
+    ok = ~names_differ
+    items += [(r, _WEIGHT) for r in (ok & differ[:, _WEIGHT]).nonzero().flatten().tolist()]
+    items += [(r, _MAIN) for r in (ok & same_range & differ[:, _MAIN]).nonzero().flatten().tolist()]
+    mixed = set((ok & differ[:, _RANGE]).nonzero().flatten().tolist())
+    if not items:
+        return [], mixed
+    at = torch.tensor(items, dtype=torch.int64, device=device).view(-1, 2)
+    pick = (at[:, 0], at[:, 1])
+    norms = _norms(check, items, held[pick].tolist(), layout)
+    verdicts = vote(comm, table[pick], held[pick], low[pick], high[pick], norms, me, check.group)
+    kinds = {
+        _NAME: FindingKind.NOT_COMPARABLE,
+        _WEIGHT: check.weight_kind,
+        _MAIN: check.main_kind,
+    }
     return [
-        finding
-        for index in _suspects(table)
-        for finding in _explain(check, table[:, index].tolist(), ranks, index, me, layout)
-    ]
+        _finding(check.records[row].global_name, kinds[column], verdict)
+        for (row, column), verdict in zip(items, verdicts)
+    ], mixed
 
 
-def _suspects(table: torch.Tensor) -> list[int]:
-    """Slots where some two holders disagree: names, weights, or two mains of the same range
-    (vectorized; only these are looked at one by one)."""
-    flags = table[..., 1]
-    bad = (table[..., 0] != table[:1, :, 0]).any(0)
-    weight_ok = (flags & _WEIGHT_OK).bool().all(0)
-    bad |= weight_ok & (table[..., 2:4] != table[:1, :, 2:4]).any(-1).any(0)
-    has_main = (flags & _HAS_MAIN).bool()
-    for k in range(table.shape[0]):  # each holder against the others holding the same range
-        same_range = (table[..., 6:8] == table[k : k + 1, :, 6:8]).all(-1) & has_main & has_main[k]
-        differ = (table[..., 4:6] != table[k : k + 1, :, 4:6]).any(-1)
-        bad |= (same_range & differ).any(0)
-    return bad.nonzero().flatten().tolist()
+def _norms(
+    check: _Check, items: list[tuple[int, int]], held: list[bool], layout: AuditLayout
+) -> list[Optional[float]]:
+    """The L2 norm of this rank's copy each item compares (None for a name, or a copy this
+    rank does not hold): computed on the device, read with one host sync."""
+    found: list[tuple[int, torch.Tensor]] = []
+    for i, ((row, column), mine) in enumerate(zip(items, held)):
+        record = check.records[row]
+        tensor = None
+        if mine and column != _NAME:
+            tensor = _weight(record, layout) if column == _WEIGHT else _own_main(record, layout)
+        if tensor is not None:
+            found.append((i, torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)))
+    norms: list[Optional[float]] = [None] * len(items)
+    if found:
+        values = torch.stack([norm.to(found[0][1].device) for _, norm in found]).tolist()
+        for (i, _), value in zip(found, values):
+            norms[i] = value
+    return norms
 
 
-def _explain(
-    check: _Check,
-    rows: list[list[int]],
-    ranks: list[int],
-    index: int,
-    me: int,
-    layout: AuditLayout,
-) -> list[Finding]:
-    """The findings of one suspect slot (``rows``: each holder's slot, in group order), with
-    the norm of this rank's copy attached (merged with the others' in :func:`_agree`)."""
-    record = check.records[index]
-    name = record.global_name
-    if len({row[0] for row in rows}) > 1:
-        return [Finding(name, FindingKind.NOT_COMPARABLE, tuple(sorted(ranks)), len(rows))]
-    found = []
-    if all(row[1] & _WEIGHT_OK for row in rows):
-        holders = [(r, tuple(row[2:4])) for r, row in zip(ranks, rows)]
-        weight = _weight(record, layout)
-        found += _with_norm(_differing(name, check.weight_kind, holders), me, weight)
-    by_range: dict[tuple[int, int], list[tuple[int, tuple]]] = {}
-    for rank, row in zip(ranks, rows):
-        if row[1] & _HAS_MAIN:
-            by_range.setdefault((row[6], row[7]), []).append((rank, tuple(row[4:6])))
-    for holders in by_range.values():
-        mine = me in [rank for rank, _ in holders]
-        main = _own_main(record, layout) if mine else None
-        found += _with_norm(_differing(name, check.main_kind, holders), me, main)
-    return found
-
-
-def _with_norm(findings: list[Finding], me: int, tensor: Optional[torch.Tensor]) -> list[Finding]:
-    if tensor is None or not findings:
-        return findings
-    norm = float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64))
-    return [dataclasses.replace(f, norms=((me, norm),)) for f in findings]
-
-
-def _differing(name: str, kind: FindingKind, holders: list[tuple[int, tuple]]) -> list[Finding]:
-    """A finding when the holders' fingerprints are not all equal: the ranks off the majority
-    value, or all of them when no value has a majority."""
-    values = [value for _, value in holders]
-    distinct = set(values)
-    if len(distinct) < 2:
-        return []
-    common = max(distinct, key=values.count)
-    if values.count(common) * 2 > len(values):
-        involved = [rank for rank, value in holders if value != common]
-    else:
-        involved = [rank for rank, _ in holders]
-    return [Finding(name, kind, tuple(sorted(involved)), len(distinct))]
+def _finding(name: str, kind: FindingKind, verdict: Verdict) -> Finding:
+    """One group's finding: the ranks off the majority (first, last, how many), the norm of
+    the first one's copy and of the majority's."""
+    first, last = verdict.off_first, verdict.off_last
+    norms = []
+    if verdict.off_norm is not None:
+        norms.append((first, verdict.off_norm))
+    if verdict.other_rank is not None and verdict.other_norm is not None:
+        norms.append((verdict.other_rank, verdict.other_norm))
+    return Finding(
+        name,
+        kind,
+        (first,) if first == last else (first, last),
+        distinct=verdict.distinct,
+        norms=tuple(norms),
+        count=verdict.off_count,
+        holders=verdict.holders,
+    )
 
 
 def _stale(records: Sequence[ParamRecord], me: int, layout: AuditLayout) -> list[Finding]:
@@ -459,26 +388,9 @@ def _stale(records: Sequence[ParamRecord], me: int, layout: AuditLayout) -> list
             FindingKind.WEIGHT_STALE,
             (me,),
             elements=int(count),
+            count=1,
             max_abs_diff=largest_difference(weight, main),
         )
         for (record, weight, main), count in zip(pairs, counts)
         if count
     ]
-
-
-def _agree(findings: list[Finding], comm: Communicator, group: ProcessGroup) -> tuple[Finding, ...]:
-    """Every rank's findings, on every rank: one all-reduce of the count, and an object
-    all-gather only when there is something to tell."""
-    count = torch.tensor([float(len(findings))], dtype=torch.float64, device=comm.device(group))
-    comm.all_reduce_sum(count, group, async_op=False).wait()
-    if float(count) == 0:
-        return ()
-    merged: dict[tuple[str, str, tuple[int, ...]], Finding] = {}
-    for part in comm.all_gather_object(findings, group):
-        for finding in part:
-            key = (str(finding.kind), finding.param, finding.ranks)
-            known = merged.setdefault(key, finding)
-            if known is not finding and finding.norms:
-                norms = tuple(sorted(set(known.norms) | set(finding.norms)))
-                merged[key] = dataclasses.replace(known, norms=norms)
-    return tuple(merged[key] for key in sorted(merged))

@@ -6,12 +6,13 @@ recording fake and see exactly which groups are used and how many collectives ru
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = Any  # ``torch.distributed.ProcessGroup`` or ``None`` for the default group
+ReduceOp = Literal["sum", "min", "max"]
 
 
 class Work(Protocol):
@@ -52,6 +53,11 @@ class Communicator(Protocol):
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: ProcessGroup, async_op: bool) -> Work:
         """Sum ``tensor`` in place over ``group``."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> None:
+        """Reduce ``tensor`` in place over ``group`` with ``op`` (blocking). MIN / MAX of int64
+        tables are what the audit decides on: every rank then derives the same findings."""
         ...
 
     def all_gather_object(self, obj: Any, group: ProcessGroup) -> list[Any]: ...
@@ -102,6 +108,12 @@ class TorchCommunicator:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         return work if async_op else Done()
 
+    def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> None:
+        if not self.is_distributed():
+            return
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        dist.all_reduce(tensor, op=ops[op], group=group)
+
     def all_gather_object(self, obj: Any, group: ProcessGroup) -> list[Any]:
         if not self.is_distributed():
             return [obj]
@@ -112,9 +124,22 @@ class TorchCommunicator:
     def all_gather_tensor(self, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         if not self.is_distributed():
             return tensor.unsqueeze(0)
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, tensor, group=group)
-        return torch.stack(out)
+        size = dist.get_world_size(group)
+        # One flat receive buffer (the concatenated form every backend takes), no per-rank
+        # list and no stacking copy; viewed as [size, *shape].
+        flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        mine = tensor.contiguous().view(-1)
+        # torch 2.13 names it all_gather_single (all_gather_into_tensor is its deprecated alias).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        try:
+            gather(flat, mine, group=group)
+        except (RuntimeError, NotImplementedError):
+            if "gloo" not in str(dist.get_backend(group)):
+                raise
+            # An older gloo without it refuses before sending anything, on every rank alike:
+            # gather into views of the same buffer instead.
+            dist.all_gather(list(flat.view(size, -1).unbind(0)), mine, group=group)
+        return flat.view(size, *tensor.shape)
 
     def broadcast_object(self, obj: Any, src: int, group: ProcessGroup) -> Any:
         if not self.is_distributed():

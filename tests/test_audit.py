@@ -91,8 +91,11 @@ CASES = {
     "dp4-2instances": Case(
         Layout(4, SMALL, instances=2),
         True,
-        # ranks 0 and 2 hold the same shard, one in each instance
-        (Fault(ANY_MAIN, "main-replicas-differ", 2, what="main"),),
+        # ranks 0 and 2 (1 and 3) hold the same shard, one in each instance
+        (
+            Fault(ANY_MAIN, "main-replicas-differ", 2, what="main"),
+            Fault(ANY_MAIN, "main-replicas-differ", 3, what="main"),
+        ),
         ddp=(("num_distributed_optimizer_instances", 2),),
     ),
     "dp2-overlap-param-gather": Case(
@@ -414,8 +417,12 @@ def _collectives_body(layout: Layout) -> dict[str, Any]:
         calls: list[tuple[str, tuple[int, ...]]] = []
 
         def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
-            self.calls.append(("all_reduce", tuple(tensor.shape)))
+            self.calls.append(("all_reduce_sum", tuple(tensor.shape)))
             return super().all_reduce_sum(tensor, group, async_op)
+
+        def all_reduce(self, tensor, group, op):  # type: ignore[no-untyped-def]
+            self.calls.append((f"all_reduce_{op}", tuple(tensor.shape)))
+            return super().all_reduce(tensor, group, op)
 
         def all_gather_tensor(self, tensor, group):  # type: ignore[no-untyped-def]
             self.calls.append(("all_gather", tuple(tensor.shape)))
@@ -437,17 +444,19 @@ def _collectives_body(layout: Layout) -> dict[str, Any]:
 
 def test_the_audit_costs_a_few_collectives_sized_by_params() -> None:
     """TP2 x DP2 MoE: DP and TP groups of 2 (expert-DP and expert-TP of 1 need nothing): per
-    group a count gather and a slot gather of 8 int64 per param, then one all-reduce; no
-    object gather when clean."""
+    group a MIN of the param count and a MIN of the ``[params, 4]`` table (each with its
+    order-reversed copy: MIN and MAX at once), then one SUM of the findings' count; no gather,
+    no object collective when clean."""
     layout = Layout(4, SMALL_MOE, tp=2, ep=2, etp=1)
     for got in run_ranks(_collectives_body, 4, layout, timeout=TIMEOUT):
         assert got["ok"]
         kinds = [kind for kind, _ in got["calls"]]
-        assert kinds.count("all_reduce") == 1 and "all_gather_object" not in kinds
-        gathers = [shape for kind, shape in got["calls"] if kind == "all_gather"]
-        assert 2 <= len(gathers) <= 8
-        assert all(shape == (2,) or shape[1:] == (8,) for shape in gathers)
-        assert all(shape[0] <= got["params"] for shape in gathers)
+        assert kinds.count("all_reduce_sum") == 1
+        assert not {"all_gather", "all_gather_object", "all_reduce_max"} & set(kinds)
+        mins = [shape for kind, shape in got["calls"] if kind == "all_reduce_min"]
+        assert 2 <= len(mins) <= 8
+        assert all(shape == (2,) or shape[1:] == (4,) for shape in mins)
+        assert all(shape[0] <= 2 * got["params"] for shape in mins)
 
 
 MEGATRON_FSDP = {  # name: (layout, fault: (param, what, how, rank, kind))

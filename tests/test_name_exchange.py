@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim._name_exchange import digests, exchange_names, name_parts, speakers
+from norm_optim._name_exchange import digests, encode, exchange_names, name_parts, speakers
 from norm_optim.testing import RecordingCommunicator, init_parallel, run_ranks
 from norm_optim.testing.comm import Traffic
 from norm_optim.testing.models import build_model, build_optimizer
-from norm_optim._patching import Patch, patches_applied
+from norm_optim._patching import patches_applied
 
-from benchmarks.param_norm.names import all_gather_object_traffic
+from benchmarks.param_norm.names import all_gather_object_traffic, group_sums
+from norm_optim.testing.comm import counting_patches
 from tests.support.layouts import MOE, SMALL, SMALL_MOE, Layout
 
 LAYOUTS = {
@@ -44,55 +45,20 @@ def simulate(lists: list[list[tuple[str, bool]]], rank: int) -> tuple[Any, Traff
     order = speakers(torch.stack([digests(names, device) for names in lists]))
 
     def peers(kind: str, peer: int, index: int) -> Any:
-        if kind == "all_gather":
-            return digests(lists[peer], device)
-        part, speaker = order[index]
-        assert speaker == peer
-        return name_parts(lists[peer])[part]
+        assert kind == "all_gather"
+        return digests(lists[peer], device)
 
-    comm = RecordingCommunicator(rank=rank, size=len(lists), peers=peers)
+    reduce = group_sums(lambda peer: lists[peer], order)
+    comm = RecordingCommunicator(rank=rank, size=len(lists), peers=peers, reduce=reduce)
     names = exchange_names(lists[rank], comm, None)
     return names, comm.traffic, len(comm.calls)
-
-
-def _counting_patches(traffic: Traffic) -> list[Patch]:
-    """``torch.distributed``'s tensor collectives, counting the bytes each moves on this rank
-    (``broadcast_object_list`` calls ``broadcast`` of the module it lives in)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    broadcast, all_gather = c10d.broadcast, c10d.all_gather
-
-    def counted_broadcast(
-        tensor: torch.Tensor, src: int | None = None, group: Any = None, *args: Any, **kwargs: Any
-    ) -> Any:
-        # torch calls it with a global ``src`` or (2.6+, from broadcast_object_list) ``group_src``
-        group_src = kwargs.get("group_src")
-        root = src == dist.get_rank() if group_src is None else group_src == dist.get_rank(group)
-        if root:
-            traffic.sent += tensor.nbytes
-        else:
-            traffic.received += tensor.nbytes
-        return broadcast(tensor, src, group, *args, **kwargs)
-
-    def counted_all_gather(
-        tensors: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
-        traffic.sent += tensor.nbytes
-        traffic.received += sum(t.nbytes for t in tensors)
-        return all_gather(tensors, tensor, *args, **kwargs)
-
-    return [
-        Patch(module, name, function)
-        for module in (dist, c10d)
-        for name, function in (("broadcast", counted_broadcast), ("all_gather", counted_all_gather))
-    ]
 
 
 def _rank_body(layout: Layout) -> dict[str, Any]:
     import torch.distributed as dist
 
     from norm_optim import NormAwareOptimizer
+    from norm_optim._comm import TorchCommunicator
     from norm_optim._norm import local_names
 
     init_parallel(**layout.parallel())
@@ -104,12 +70,12 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
     mine = local_names(optimizer.registry)
     traffic = Traffic()
-    with patches_applied(_counting_patches(traffic)):
-        # The exchange, then the all-reduce (gloo's all_reduce: not counted here).
-        norms = optimizer.param_l2_norms(per_param=True)
+    with patches_applied(counting_patches(traffic)):  # the exchange alone
+        exchange_names(mine, TorchCommunicator(), None)
+    norms = optimizer.param_l2_norms(per_param=True)
     everyone: list[Any] = [None] * dist.get_world_size()
     naive = Traffic()
-    with patches_applied(_counting_patches(naive)):  # what the exchange replaced
+    with patches_applied(counting_patches(naive)):  # what the exchange replaced
         dist.all_gather_object(everyone, mine)
     return {
         "names": list(norms.per_param),
@@ -153,7 +119,8 @@ def test_benchmark_table_at_small_worlds() -> None:
 
 def test_simulated_world_sends_each_distinct_list_once() -> None:
     """A world of 16 ranks: 2 pipeline stages x 2 expert ranks x 4 replicas. One gather of the
-    digests, then one broadcast per distinct dense list (2) and expert list (4)."""
+    digests, then two all-reduces (sizes, lists) carry the 2 distinct dense lists and the 4
+    expert lists: each list once, in a fixed number of collectives."""
 
     def names(rank: int) -> list[tuple[str, bool]]:
         stage, expert_rank = rank // 8, rank % 2
@@ -173,14 +140,10 @@ def test_simulated_world_sends_each_distinct_list_once() -> None:
     for rank in range(16):
         got, traffic, calls = simulate(lists, rank)
         assert got == union
-        assert calls == 1 + 2 + 4
-        speaks = [
-            part
-            for part, speaker in speakers(
-                torch.stack([digests(names, torch.device("cpu")) for names in lists])
-            )
-            if speaker == rank
-        ]
-        assert traffic.sent == 16 + sum(
-            8 + len(pickle.dumps(name_parts(lists[rank])[part])) for part in speaks
-        )
+        assert calls == 3  # the digests, the sizes, the lists: whatever the lists
+        order = speakers(torch.stack([digests(names, torch.device("cpu")) for names in lists]))
+        assert [part for part, _ in order] == [0, 0, 1, 1, 1, 1]  # 2 dense, 4 expert lists
+        sizes = [len(encode(name_parts(lists[who])[part])) for part, who in order]
+        buffer = sum(-(-n // 8) * 8 for n in sizes)
+        assert traffic.sent == 16 + 8 * len(order) + buffer
+        assert traffic.received == 16 * 16 + 8 * len(order) + buffer

@@ -6,7 +6,7 @@ norms with q/k layernorm, no biases; MoE layers with TE grouped experts) would g
 pipeline stage and expert rank: the names are generated here from the layout (no model is
 built), shaped like ``norm_optim._megatron.naming``'s. :func:`norm_optim._name_exchange.exchange_names`
 then runs as one rank, over a :class:`~norm_optim.testing.RecordingCommunicator` that plays
-every other rank (their digests, their broadcasts) and counts the bytes as torch.distributed
+every other rank (their digests, the sums of their lists) and counts the bytes as torch.distributed
 moves them (``tests/test_name_exchange.py`` checks that count against real gloo runs at 2-8
 ranks). Next to it, the same for the one ``all_gather_object`` of every rank's list that the
 exchange replaces (:func:`all_gather_object_traffic`, also checked there).
@@ -20,13 +20,13 @@ import dataclasses
 import functools
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from norm_optim._name_exchange import digests, exchange_names, name_parts, speakers
+from norm_optim._name_exchange import digests, encode, exchange_names, name_parts, pack, speakers
 from norm_optim.testing import RecordingCommunicator
-from norm_optim.testing.comm import Traffic
+from norm_optim.testing.comm import Reduce, Traffic
 
 Names = list[tuple[str, bool]]
 _SIZE_BYTES = 8  # the int64 size torch's *_object collectives send first
@@ -103,6 +103,19 @@ MODELS: tuple[NamesModel, ...] = (
 WORLDS: tuple[int, ...] = (64, 1024, 16384)
 
 
+def group_sums(lists_of: Callable[[int], Names], order: Sequence[tuple[int, int]]) -> Reduce:
+    """The two all-reduce SUMs of the exchange as the whole group makes them: every speaker's
+    list at its place (``lists_of(rank)``: that rank's names)."""
+    blobs = {i: encode(name_parts(lists_of(who))[kind]) for i, (kind, who) in enumerate(order)}
+    sums = [torch.tensor(part, dtype=torch.int64) for part in pack(order, blobs)]
+
+    def reduce(op: str, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        assert op == "sum", op
+        return sums[index]
+
+    return reduce
+
+
 def simulate_exchange(model: NamesModel, world: int, rank: int) -> Traffic:
     """One rank's traffic in :func:`~norm_optim._name_exchange.exchange_names` at ``world``."""
     cpu = torch.device("cpu")
@@ -115,14 +128,10 @@ def simulate_exchange(model: NamesModel, world: int, rank: int) -> Traffic:
     order = speakers(gathered)
 
     def peers(kind: str, peer: int, index: int) -> Any:
-        if kind == "all_gather":
-            return digest_of(model.coordinates(peer, world))
-        part, speaker = order[index]
-        if speaker != peer:
-            raise AssertionError(f"broadcast {index} came from {peer}, expected {speaker}")
-        return name_parts(model.rank_names(peer, world))[part]
+        return digest_of(model.coordinates(peer, world))
 
-    comm = RecordingCommunicator(rank=rank, size=world, peers=peers)
+    reduce = group_sums(lambda r: model.rank_names(r, world), order)
+    comm = RecordingCommunicator(rank=rank, size=world, peers=peers, reduce=reduce)
     exchange_names(model.rank_names(rank, world), comm, None)
     return comm.traffic
 

@@ -35,6 +35,9 @@ class AuditLayout:
             split.
         dense_gtp, expert_gtp: the (expert) GTP weight-remat group (megatron-core >= 0.19):
             copies of what GTP does not shard.
+        shard_replicas: the group of the ranks that hold the same distributed-optimizer shard
+            (one per optimizer instance; None with one instance). megatron builds one such
+            group for dense and expert params alike, inside both replica groups.
         tied: the embedding group when this rank is in it (first and last pipeline stage:
             the word embeddings and the output weight they are tied to), else None.
         tied_params: ids of this rank's params that are tied copies of each other across the
@@ -56,6 +59,7 @@ class AuditLayout:
     expert_tp: ProcessGroup = None
     dense_gtp: ProcessGroup = None
     expert_gtp: ProcessGroup = None
+    shard_replicas: ProcessGroup = None
     tied: ProcessGroup = None
     tied_params: frozenset[int] = frozenset()
     placed: frozenset[int] = frozenset()
@@ -105,6 +109,7 @@ def audit_layout(
             expert_tp=group("expt_tp") or group("tp"),
             dense_gtp=group("gtp_remat"),
             expert_gtp=group("expt_gtp_remat"),
+            shard_replicas=group("inter_dist_opt"),
             tied=group("embd") if tied_params else None,
             tied_params=tied_params if group("embd") is not None else frozenset(),
             gathering=gathering,
@@ -128,11 +133,23 @@ def audit_layout(
         expert_tp=ps.get_expert_tensor_parallel_group(check_initialized=False),
         dense_gtp=_gtp_group(ps, "get_gtp_weight_remat_group"),
         expert_gtp=_gtp_group(ps, "get_expert_gtp_weight_remat_group"),
+        shard_replicas=_inter_instance_group(ps),
         tied=ps.get_embedding_group(check_initialized=False) if in_embedding else None,
         tied_params=tied_params if in_embedding else frozenset(),
         gathering=gathering,
         **placed,
     )
+
+
+def _inter_instance_group(ps: Any) -> ProcessGroup:
+    """megatron's inter-distributed-optimizer-instance group, or None (one instance)."""
+    get_group = getattr(ps, "get_inter_distributed_optimizer_instance_group", None)
+    if get_group is None:
+        return None
+    try:
+        return get_group(check_initialized=False)
+    except (AssertionError, AttributeError):
+        return None
 
 
 def refuse_unaudited(descriptor: OptimizerDescriptor) -> None:

@@ -12,7 +12,8 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .._audit import AuditError, AuditReport
+from .._comm import TorchCommunicator
+from .._findings import AuditError, AuditReport
 from .._errors import NormOptimError
 from .._moved import moved_names
 from .._norm import NamedNorms, ParamNorms
@@ -302,6 +303,8 @@ AT_LOAD_TAG = "params-norm/at-load"
 """The scalar written once after a checkpoint load: the loaded weights' norm."""
 NORMS_FILE = "norm_optim_norms.json"
 """Written beside each checkpoint: the saved weights' total and per-layer norms."""
+SHOWN_LAYERS = 8
+"""How many differing layers a load's verdict names (the rest are counted)."""
 
 
 class CheckpointParity:
@@ -342,28 +345,46 @@ class CheckpointParity:
             with open(os.path.join(directory, NORMS_FILE), "w", encoding="utf-8") as out:
                 json.dump(norms, out, indent=1, sort_keys=True)
 
+    def _compare(self, path: str, norms: dict[str, Any]) -> dict[str, Any]:
+        """On the one reading rank: the saved total (None without a file) and the layers whose
+        norm differs (the first :data:`SHOWN_LAYERS`, and how many): bounded, to broadcast."""
+        import json
+        import os
+
+        if not os.path.exists(path):
+            return {"saved_total": None, "differ": [], "count": 0}
+        with open(path, encoding="utf-8") as inp:
+            saved = json.load(inp)
+        differ: list[str] = []
+        for name in sorted(set(saved["per_layer"]) | set(norms["per_layer"])):
+            a, b = saved["per_layer"].get(name), norms["per_layer"].get(name)
+            if a is None or b is None or abs(a - b) > self.rel * max(abs(a), abs(b)):
+                differ.append(name)
+        shown = differ[:SHOWN_LAYERS]
+        return {"saved_total": float(saved["total"]), "differ": shown, "count": len(differ)}
+
     def loaded(
         self, optimizer: Any, directory: str, iteration: int, tensorboard: Any, wandb: Any
     ) -> dict[str, Any]:
         """After a load, before the first step, on every rank: the norm, and the layers whose
-        norm differs from what was saved (raised with ``"raise"``)."""
-        import json
+        norm differs from what was saved (raised with ``"raise"``). Global rank 0 alone reads
+        the file and compares; the others get its bounded verdict by one broadcast."""
         import os
 
         norms = self._norms(optimizer)
-        path = os.path.join(directory, NORMS_FILE)
-        saved = None
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as inp:
-                saved = json.load(inp)
-        differ: list[str] = []
-        if saved is not None:
-            names = sorted(set(saved["per_layer"]) | set(norms["per_layer"]))
-            for name in names:
-                a, b = saved["per_layer"].get(name), norms["per_layer"].get(name)
-                if a is None or b is None or abs(a - b) > self.rel * max(abs(a), abs(b)):
-                    differ.append(name)
-        self.at_load = dict(norms, iteration=iteration, compared=saved is not None, differ=differ)
+        verdict = None
+        if _global_rank() == 0:  # one reader: not 16,384 opens of one file at load
+            verdict = self._compare(os.path.join(directory, NORMS_FILE), norms)
+        comm = optimizer._state.comm if isinstance(optimizer, NormAwareOptimizer) else None
+        verdict = (comm or TorchCommunicator()).broadcast_object(verdict, 0, None)
+        saved, differ, count = verdict["saved_total"], verdict["differ"], verdict["count"]
+        self.at_load = dict(
+            norms,
+            iteration=iteration,
+            compared=saved is not None,
+            differ=differ,
+            differ_count=count,
+        )
         if tensorboard is not None:
             tensorboard.add_scalar(AT_LOAD_TAG, norms["total"], iteration)
         if wandb is not None:
@@ -373,8 +394,8 @@ class CheckpointParity:
             line += " (no saved norms beside the checkpoint to compare with)"
         elif differ:
             line += (
-                f"; differs from the saved weights' in {len(differ)} layers: {differ[:8]}"
-                f" (saved total {saved['total']:.6f})"
+                f"; differs from the saved weights' in {count} layers: {differ}"
+                f" (saved total {saved:.6f})"
             )
         else:
             line += "; every layer equals the saved weights'"
