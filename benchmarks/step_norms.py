@@ -44,7 +44,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
 
     from benchmarks.param_norm.memory import PeakMemory
     from norm_optim import NormAwareOptimizer
-    from norm_optim._step import StepMeasurement
+    from norm_optim._step import StepMeasurement, observed_step
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 
@@ -69,10 +69,15 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     # takes them, and everything after the step (weights, derived updates, moments, packet).
     peak = PeakMemory(torch.device("cpu"))
     measurement = StepMeasurement(optimizer._current_reducer(), optimizer.wrapped_optimizer, False)
-    with measurement.around():
-        optimizer.wrapped_optimizer.step()
+    observed_step(optimizer.wrapped_optimizer, measurement, None)
     hook_peak = peak.measure(measurement._grad_squares)
     after_peak = peak.measure(lambda: measurement.launch().wait())
+    # The always-on watch (grads per param judged every step; no alarm in a clean run).
+    watch = optimizer.watch()
+    optimizer.step()  # the first watched step exchanges the names
+    watched_s = _median(optimizer.step)
+    optimizer.unwatch()
+    assert watch.poll() == (), "a clean benchmark run must not alarm"
     counted = optimizer.registry.counted
     numel = sum(r.numel for r in counted)
     row = {
@@ -82,6 +87,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         "plain_step_s": _median(plain),
         "armed_step_s": _median(total_only),
         "armed_per_param_step_s": _median(per_param),
+        "watched_step_s": watched_s,
         "param_l2_norm_s": _median(lambda: float(optimizer.param_l2_norm())),
         "memory_method": peak.method,
         "extra_peak_bytes": None
@@ -91,6 +97,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         "bytes_read_armed_step": numel * READ_BYTES["armed"],
     }
     row["armed_over_plain"] = row["armed_step_s"] / row["plain_step_s"]
+    row["watched_over_plain"] = row["watched_step_s"] / row["plain_step_s"]
     return row
 
 
@@ -110,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name}: {row['numel']} elements, plain {row['plain_step_s'] * 1e3:.3g} ms, "
             f"armed {row['armed_step_s'] * 1e3:.3g} ms ({row['armed_over_plain']:.2f}x; "
-            f"per-param {row['armed_per_param_step_s'] * 1e3:.3g} ms), param_l2_norm "
+            f"per-param {row['armed_per_param_step_s'] * 1e3:.3g} ms), watched "
+            f"{row['watched_step_s'] * 1e3:.3g} ms ({row['watched_over_plain']:.2f}x), param_l2_norm "
             f"{row['param_l2_norm_s'] * 1e3:.3g} ms, extra peak {row['extra_peak_bytes']} B "
             f"(largest fp32 tensor {row['largest_fp32_tensor_bytes']} B)"
         )

@@ -1,7 +1,7 @@
 """Step norms: what one armed ``step()`` saw and did, per param and layer, in one all-reduce.
 
 :class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer: the adapter's
-:func:`~norm_optim._megatron.step_state.step_hooks` calls it back once the grads are ready
+:func:`~norm_optim._megatron.step_state.run_step` calls it back once the grads are ready
 (unscaled, before Megatron clips them in place) and when the step is taken (a skipped step never
 is). After the step, the weights, the updates (derived from the optimizer's state:
 :mod:`norm_optim._megatron.step_state`) and the Adam moments are summed over the same slots, and
@@ -13,15 +13,16 @@ An unarmed step never reaches this module.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ContextManager, Optional
+from typing import Any, Optional
 
 import torch
 
 from ._comm import Done, Work
 from ._errors import NormOptimError
-from ._megatron.step_state import StepState, read_step_state, step_hooks
+from ._megatron.step_state import StepState, read_step_state, run_step
 from ._kernels import SumOfSquaresPlan
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
+from ._watch import Watch
 
 # Elements of derived updates summed per kernel plan (fp32: 128 KiB alive at once).
 UPDATE_BATCH = 1 << 15
@@ -93,8 +94,8 @@ class PendingStepNorms:
 
 
 class StepMeasurement:
-    """One armed step: arm (checks, names exchange), run the step inside :meth:`around`, then
-    :meth:`launch` the packet.
+    """One armed step: arm (checks, names exchange), run the step with :meth:`grads_ready` and
+    :meth:`step_taken` as its hooks, then :meth:`launch` the packet.
 
     Args:
         reducer: the wrapper's current reducer (records, slots, the weights' plans).
@@ -113,16 +114,12 @@ class StepMeasurement:
         self._grads: Optional[torch.Tensor] = None
         self._stepped = False
 
-    def around(self) -> ContextManager[None]:
-        """The step runs inside (:func:`~norm_optim._megatron.step_state.step_hooks`)."""
+    def grads_ready(self) -> None:
+        """The step's grads are on the fp32 mains, unscaled, not clipped yet: sum them."""
+        self._grads = self._grad_squares()
 
-        def grads_ready() -> None:
-            self._grads = self._grad_squares()
-
-        def step_taken() -> None:
-            self._stepped = True
-
-        return step_hooks(self.optimizer, grads_ready, step_taken)
+    def step_taken(self) -> None:
+        self._stepped = True
 
     def launch(self) -> PendingStepNorms:
         """After the step: the local sums of every quantity, then one all-reduce of them all."""
@@ -190,3 +187,64 @@ class StepMeasurement:
         if pieces:
             flush()
         return reducer.fold(squares) if per_param else squares
+
+
+class WatchedGrads:
+    """What a watched step sums: its grads (unscaled, before clipping), per param, in one
+    all-reduce of the per-param slot vector, judged by the :class:`~norm_optim._watch.Watch`
+    on the device. Built once per reducer (the step state maps the same tensors until the
+    registry is rebuilt).
+
+    Args:
+        reducer: the wrapper's current reducer (its per-param slots: the names exchange runs
+            at the first watched step, on every rank).
+        optimizer: the wrapped optimizer.
+        watch: the judge.
+    """
+
+    def __init__(self, reducer: NormReducer, optimizer: Any, watch: Watch) -> None:
+        self.reducer, self.watch = reducer, watch
+        self.state: StepState = read_step_state(optimizer)
+        self._counted = reducer.registry.counted
+        reducer.num_slots(True)  # the per-param slots (names exchange) before the first step
+
+    def grads_ready(self) -> bool:
+        """Sum, reduce and judge the grads; return the skip verdict (a host read only with
+        ``skip``: the judging itself stays on the device)."""
+        reducer = self.reducer
+        grads = [
+            self.state.grad(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
+            for r in self._counted
+        ]
+        squares = reducer.local_squares(grads, per_param=True)
+        reducer.comm.all_reduce_sum(squares, reducer.group, async_op=False).wait()
+        verdict = self.watch.judge_grads(squares, reducer.per_param_slots, reducer.device)
+        if not self.watch.config.skip:
+            return False
+        skip = bool(verdict)
+        if skip:
+            self.watch.mark_skipped()
+        return skip
+
+
+def observed_step(
+    optimizer: Any,
+    measurement: Optional[StepMeasurement],
+    watched: Optional[WatchedGrads],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with an armed measurement and / or a watch reading
+    its grads before clipping; the watch may veto the step (``skip``)."""
+
+    @torch.no_grad()
+    def grads_ready() -> bool:
+        if measurement is not None:
+            measurement.grads_ready()
+        return watched is not None and watched.grads_ready()
+
+    def step_taken() -> None:
+        if measurement is not None:
+            measurement.step_taken()
+
+    return run_step(optimizer, grads_ready, step_taken, *args, **kwargs)

@@ -7,7 +7,7 @@ data for the tensors the registry already holds (its records' ``tensor``):
   read exactly, and refuses the others by name (never a number);
 - :class:`StepState` maps each fp32 main (or shard) to its inner torch optimizer's param group
   and state, and gives its grad, its moments and its update;
-- :func:`step_hooks` says, during one ``step()``, when the grads are ready (before clipping) and
+- :func:`run_step` runs one ``step()`` and says when the grads are ready (before clipping) and
   whether the step was taken.
 
 The update ``θ_after − θ_before`` is *derived* from what the optimizer holds after the step, so
@@ -409,12 +409,16 @@ def _local(tensor: Any) -> Any:
     return getattr(tensor, "_local_tensor", tensor)
 
 
-@contextlib.contextmanager
-def step_hooks(
-    optimizer: Any, grads_ready: Callable[[], None], step_taken: Callable[[], None]
-) -> Iterator[None]:
-    """Run one ``optimizer.step()`` inside: ``grads_ready()`` once the grads are on the fp32
-    mains, unscaled and not yet clipped; ``step_taken()`` when the step is applied.
+def run_step(
+    optimizer: Any,
+    grads_ready: Callable[[], bool],
+    step_taken: Callable[[], None],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)``, calling ``grads_ready()`` once the grads are on the
+    fp32 mains, unscaled and not yet clipped, and ``step_taken()`` when the step is applied;
+    ``grads_ready()`` returning True vetoes the step.
 
     Megatron clips the grads in place inside ``step()``, between ``prepare_grads()`` (copy to
     the fp32 mains, unscale, found-inf check) and the clipping; ``step_with_ready_grads()`` (the
@@ -423,29 +427,35 @@ def step_hooks(
     ``self`` (``MegatronOptimizer.step``, ``ChainedOptimizer.step``, and the layer-wise
     optimizer, a chained one), so for this one step they are set as attributes of the optimizer
     instance, and removed after it. A plain torch optimizer has neither: its grads are ready
-    before its ``step()`` (no clipping inside) and its step is never skipped.
+    before its ``step()`` (no clipping inside) and its step is never skipped by itself.
+
+    A vetoed step goes the way of a step with an fp16 overflow: ``prepare_grads()`` reports
+    found-inf, so Megatron's ``step()`` applies nothing and returns ``(False, None, None)`` (the
+    loop counts a skipped iteration, its scheduler does not advance); the loss scaler already
+    judged the real grads inside ``prepare_grads()``, so it is not moved by a veto. A plain
+    torch optimizer's vetoed ``step()`` is not called (None is returned).
     """
     if not hasattr(optimizer, "prepare_grads"):
-        grads_ready()
+        if grads_ready():
+            return None
         step_taken()
-        yield
-        return
+        return optimizer.step(*args, **kwargs)
     original_prepare = optimizer.prepare_grads
     original_step = optimizer.step_with_ready_grads
 
-    def prepare_grads(*args: Any, **kwargs: Any) -> Any:
-        found_inf = original_prepare(*args, **kwargs)
-        grads_ready()
-        return found_inf
+    def prepare_grads(*a: Any, **k: Any) -> Any:
+        found_inf = original_prepare(*a, **k)
+        veto = grads_ready()
+        return found_inf or veto
 
-    def step_with_ready_grads(*args: Any, **kwargs: Any) -> Any:
+    def step_with_ready_grads(*a: Any, **k: Any) -> Any:
         step_taken()
-        return original_step(*args, **kwargs)
+        return original_step(*a, **k)
 
     with _instance_attributes(
         optimizer, prepare_grads=prepare_grads, step_with_ready_grads=step_with_ready_grads
     ):
-        yield
+        return optimizer.step(*args, **kwargs)
 
 
 @contextlib.contextmanager
