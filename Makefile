@@ -52,7 +52,7 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_megatron_fsdp.py tests/test_megatron_lm.py tests/test_versions.py \
               tests/test_torch_fsdp2.py tests/test_sinks.py tests/test_mimo.py \
               tests/test_audit.py \
-              tests/test_step_norms.py
+              tests/test_step_norms.py tests/test_watch.py
 
 # megatron-core main (the 0.20 line, what users of a Megatron-LM checkout run), in a copy of
 # .venv-latest: by default the wheel of main next to the project (../shared/megatron-main/), or
@@ -116,7 +116,8 @@ $(BRIDGE_STAMP): setup.cfg pyproject.toml
 
 # Megatron-Bridge's real pretrain() on CPU ranks (tests/test_megatron_bridge.py skips elsewhere).
 test-bridge: $(BRIDGE_STAMP)
-	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py tests/test_audit_bridge.py $(ARGS)
+	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py tests/test_audit_bridge.py \
+	  tests/test_watch_bridge.py $(ARGS)
 
 $(LINES:%=.venv-%/.norm_optim-installed): .venv-%/.norm_optim-installed: setup.cfg pyproject.toml
 	$(call copy-env,$(BASE_$*),.venv-$*)

@@ -392,9 +392,11 @@ def _judged(row: list[float]) -> tuple[float, float, float, float]:
 
 
 def say(alarms: Sequence[Alarm]) -> None:
-    """One line per alarm on :data:`LOGGER` (WARNING)."""
+    """One line per alarm on :data:`LOGGER`, at ERROR: Megatron's loops set up logging with a
+    filter that drops every WARNING record (Megatron-Bridge's ``logger.filter_warnings``, on by
+    default), and an alarm must not vanish there."""
     for alarm in alarms:
-        LOGGER.warning("%s", alarm)
+        LOGGER.error("%s", alarm)
 
 
 def require_watch(watch: Optional[Watch]) -> Watch:
