@@ -206,11 +206,11 @@ class WatchedGrads:
         self.reducer, self.watch = reducer, watch
         self.state: StepState = read_step_state(optimizer)
         self._counted = reducer.registry.counted
+        self._verdict: Optional[torch.Tensor] = None
         reducer.num_slots(True)  # the per-param slots (names exchange) before the first step
 
-    def grads_ready(self) -> bool:
-        """Sum, reduce and judge the grads; return the skip verdict (a host read only with
-        ``skip``: the judging itself stays on the device)."""
+    def grads_ready(self) -> None:
+        """Sum, reduce and judge the grads (on the device: no host sync)."""
         reducer = self.reducer
         grads = [
             self.state.grad(r.tensor, r.name) if not r.source.is_frozen else None  # type: ignore[arg-type]
@@ -218,10 +218,14 @@ class WatchedGrads:
         ]
         squares = reducer.local_squares(grads, per_param=True)
         reducer.comm.all_reduce_sum(squares, reducer.group, async_op=False).wait()
-        verdict = self.watch.judge_grads(squares, reducer.per_param_slots, reducer.device)
-        if not self.watch.config.skip:
+        self._verdict = self.watch.judge_grads(squares, reducer.per_param_slots, reducer.device)
+
+    def veto(self) -> bool:
+        """With ``skip``, whether this step must not be applied: the verdict read on the host
+        (the watch's one host read, after the step's own)."""
+        if not self.watch.config.skip or self._verdict is None:
             return False
-        skip = bool(verdict)
+        skip, self._verdict = bool(self._verdict), None
         if skip:
             self.watch.mark_skipped()
         return skip
@@ -238,13 +242,17 @@ def observed_step(
     its grads before clipping; the watch may veto the step (``skip``)."""
 
     @torch.no_grad()
-    def grads_ready() -> bool:
+    def grads_ready() -> None:
         if measurement is not None:
             measurement.grads_ready()
-        return watched is not None and watched.grads_ready()
+        if watched is not None:
+            watched.grads_ready()
 
     def step_taken() -> None:
         if measurement is not None:
             measurement.step_taken()
 
-    return run_step(optimizer, grads_ready, step_taken, *args, **kwargs)
+    def veto() -> bool:
+        return watched is not None and watched.veto()
+
+    return run_step(optimizer, grads_ready, step_taken, veto, *args, **kwargs)

@@ -411,14 +411,15 @@ def _local(tensor: Any) -> Any:
 
 def run_step(
     optimizer: Any,
-    grads_ready: Callable[[], bool],
+    grads_ready: Callable[[], None],
     step_taken: Callable[[], None],
+    veto: Callable[[], bool],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
     """``optimizer.step(*args, **kwargs)``, calling ``grads_ready()`` once the grads are on the
-    fp32 mains, unscaled and not yet clipped, and ``step_taken()`` when the step is applied;
-    ``grads_ready()`` returning True vetoes the step.
+    fp32 mains, unscaled and not yet clipped, ``veto()`` right before the step is applied (True:
+    it is not), and ``step_taken()`` when it is.
 
     Megatron clips the grads in place inside ``step()``, between ``prepare_grads()`` (copy to
     the fp32 mains, unscale, found-inf check) and the clipping; ``step_with_ready_grads()`` (the
@@ -429,14 +430,17 @@ def run_step(
     instance, and removed after it. A plain torch optimizer has neither: its grads are ready
     before its ``step()`` (no clipping inside) and its step is never skipped by itself.
 
-    A vetoed step goes the way of a step with an fp16 overflow: ``prepare_grads()`` reports
-    found-inf, so Megatron's ``step()`` applies nothing and returns ``(False, None, None)`` (the
-    loop counts a skipped iteration, its scheduler does not advance); the loss scaler already
-    judged the real grads inside ``prepare_grads()``, so it is not moved by a veto. A plain
-    torch optimizer's vetoed ``step()`` is not called (None is returned).
+    A vetoed step is one whose ``step_with_ready_grads()`` returns False without applying
+    anything, as Megatron's own skip paths do: ``step()`` returns ``(False, grad_norm,
+    num_zeros)`` (the loop counts a skipped iteration, its scheduler does not advance, and it
+    still logs the grad norm); the loss scaler judged the real grads inside ``prepare_grads()``
+    and is not moved. ``veto()`` runs after Megatron's grad-norm clipping, which reads its norm on
+    the host: a verdict computed before it is ready by then, so reading it stalls nothing. A
+    plain torch optimizer's vetoed ``step()`` is not called (None is returned).
     """
     if not hasattr(optimizer, "prepare_grads"):
-        if grads_ready():
+        grads_ready()
+        if veto():
             return None
         step_taken()
         return optimizer.step(*args, **kwargs)
@@ -445,10 +449,12 @@ def run_step(
 
     def prepare_grads(*a: Any, **k: Any) -> Any:
         found_inf = original_prepare(*a, **k)
-        veto = grads_ready()
-        return found_inf or veto
+        grads_ready()
+        return found_inf
 
     def step_with_ready_grads(*a: Any, **k: Any) -> Any:
+        if veto():
+            return False
         step_taken()
         return original_step(*a, **k)
 
