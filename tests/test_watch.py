@@ -254,3 +254,34 @@ def test_watch_config_refuses_bad_values() -> None:
         WatchConfig.of({"sigma": 3})
     assert WatchConfig.of(True) == WatchConfig() and WatchConfig.of(False) is None
     assert WatchConfig.of({"skip": True}).skip
+
+
+def test_loss_and_ratio_alarms_and_what_arms_a_step() -> None:
+    """The loss and the armed steps' update-to-weight ratios have windows of their own; a loss
+    alarm is this rank's and arms nothing, a ratio alarm (reduced, every rank alike) arms the
+    next step per param."""
+    from norm_optim import Watch
+
+    armed: list[bool] = []
+    watch = Watch(WatchConfig(warmup=3, window=8), arm=lambda: armed.append(True))
+    for step, loss in enumerate([2.0, 2.1, 1.9, 2.0, 2.05], start=1):
+        watch.observe_loss(loss)
+        watch.observe_ratios(["0", "1"], torch.tensor([1e-3, 2e-3]) * (1 + 0.01 * step))
+        assert watch.poll(step) == ()
+    watch.observe_loss(20.0)
+    (alarm,) = watch.poll(6)
+    assert (alarm.iteration, alarm.signal, alarm.layer, alarm.param) == (6, "loss", None, None)
+    assert alarm.value == 20.0 and str(alarm).startswith("norm_optim watch: iteration 6: loss ")
+    assert armed == []
+    watch.observe_ratios(["0", "1"], torch.tensor([1e-3, 5e-2]))
+    (alarm,) = watch.poll(7)
+    assert alarm.signal == "update-to-weight/layer/1" and armed == [True]
+
+
+def test_loop_loss_reads_megatron_loss_dicts() -> None:
+    from norm_optim.integrations._common import loop_loss
+
+    assert loop_loss({}) is None and loop_loss(None) is None  # not the last pipeline stage
+    assert loop_loss({"lm loss": torch.tensor(2.5)}) == 2.5
+    assert loop_loss({"lm loss": torch.tensor([5.0, 2.0])}) == 2.5  # [sum, count]
+    assert loop_loss({"mtp loss": 1.0, "lm loss": (6.0, 3.0)}) == 2.0
