@@ -54,7 +54,7 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_torch_fsdp2.py tests/test_sinks.py tests/test_mimo.py \
               tests/test_audit.py \
               tests/test_step_norms.py tests/test_step_norms_muon.py \
-              tests/test_step_norms_precision_aware.py
+              tests/test_step_norms_precision_aware.py tests/test_watch.py
 
 # The torch range: setup.cfg's floor and the newest torch pip installs, each a CI leg of the tests
 # that read the optimizer's rule and state (TORCH_TESTS), in a copy of the environment of its
@@ -134,7 +134,8 @@ $(BRIDGE_STAMP): setup.cfg pyproject.toml
 
 # Megatron-Bridge's real pretrain() on CPU ranks (tests/test_megatron_bridge.py skips elsewhere).
 test-bridge: $(BRIDGE_STAMP)
-	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py tests/test_audit_bridge.py $(ARGS)
+	$(BRIDGE_VENV)/bin/python -m pytest -q tests/test_megatron_bridge.py tests/test_audit_bridge.py \
+	  tests/test_watch_bridge.py $(ARGS)
 
 $(LINES:%=.venv-%/.norm_optim-installed): .venv-%/.norm_optim-installed: setup.cfg pyproject.toml
 	$(call copy-env,$(BASE_$*),.venv-$*)

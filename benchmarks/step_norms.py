@@ -5,8 +5,10 @@ median of a plain ``step()`` and of an armed one (``measure_next_step()`` + ``st
 ``step_norms()``, total-only and per-param), the total-only ``param_l2_norm()`` beside them, the
 extra peak memory of the armed step's own work (``benchmarks.param_norm.memory``), the
 largest fp32 tensor the rank holds (the bound is that + the update scratch's byte budget, 1 MiB on
-CPU), the bytes each call reads, and the aten ops an armed step adds per param tensor (torch's
-dispatch mode). The step is re-run on the same grads (no forward / backward): what is timed is the step.
+CPU), the bytes each call reads, the aten ops an armed step adds per param tensor (torch's
+dispatch mode), and a watched step (``watch()``: the grads judged every step), timed in pairs
+with a plain one. The step is re-run on the same grads (no forward / backward): what is timed is
+the step.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.param_norm.memory import PeakMemory
     from norm_optim import NormAwareOptimizer
     from norm_optim._kernels.chunks import default_budget
-    from norm_optim._step import StepMeasurement
+    from norm_optim._step import StepMeasurement, observed_step
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 
@@ -90,10 +92,12 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     # takes them, and everything after the step (weights, derived updates, moments, packet).
     peak = PeakMemory(torch.device("cpu"))
     measurement = StepMeasurement(optimizer._current_reducer(), optimizer.wrapped_optimizer, False)
-    with measurement.around():
-        optimizer.wrapped_optimizer.step()
+    observed_step(optimizer.wrapped_optimizer, measurement, None)
     hook_peak = peak.measure(measurement._grad_squares)
     after_peak = peak.measure(lambda: measurement.launch().wait())
+    # The always-on watch (grads per param judged every step; no alarm in a clean run), timed
+    # in pairs with a plain step: the machine's load drifts between separate medians.
+    watched_s, watched_ratio = _watched(optimizer)
     counted = optimizer.registry.counted
     numel = sum(r.numel for r in counted)
     row = {
@@ -105,6 +109,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         "plain_step_s": _median(plain),
         "armed_step_s": _median(total_only),
         "armed_per_param_step_s": _median(per_param),
+        "watched_step_s": watched_s,
         "param_l2_norm_s": _median(lambda: float(optimizer.param_l2_norm())),
         "aten_ops_plain_step": ops["plain"],
         "extra_aten_ops_per_tensor": (ops["armed"] - ops["plain"]) / len(counted),
@@ -118,7 +123,27 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         "bytes_read_armed_step": numel * READ_BYTES["armed"],
     }
     row["armed_over_plain"] = row["armed_step_s"] / row["plain_step_s"]
+    row["watched_over_plain"] = watched_ratio
     return row
+
+
+def _watched(optimizer: Any) -> tuple[float, float]:
+    """(median watched step, median of watched / plain over adjacent pairs)."""
+    pairs = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        optimizer.step()
+        plain = time.perf_counter() - start
+        watch = optimizer.watch()  # builds its reads (not timed); its first step judges
+        start = time.perf_counter()
+        optimizer.step()
+        pairs.append((time.perf_counter() - start, plain))
+        optimizer.unwatch()
+        assert watch.poll() == (), "a clean benchmark run must not alarm"
+    return (
+        statistics.median(w for w, _ in pairs),
+        statistics.median(w / p for w, p in pairs),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name}: {row['numel']} elements, plain {row['plain_step_s'] * 1e3:.3g} ms, "
             f"armed {row['armed_step_s'] * 1e3:.3g} ms ({row['armed_over_plain']:.2f}x; "
-            f"per-param {row['armed_per_param_step_s'] * 1e3:.3g} ms), param_l2_norm "
+            f"per-param {row['armed_per_param_step_s'] * 1e3:.3g} ms), watched "
+            f"{row['watched_step_s'] * 1e3:.3g} ms ({row['watched_over_plain']:.2f}x), param_l2_norm "
             f"{row['param_l2_norm_s'] * 1e3:.3g} ms, extra peak {row['extra_peak_bytes']} B "
             f"(largest fp32 tensor {row['largest_fp32_tensor_bytes']} B), extra aten ops per "
             f"tensor {row['extra_aten_ops_per_tensor']:.1f} (per-param "

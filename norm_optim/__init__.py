@@ -20,10 +20,12 @@ from ._ownership import RankCoords
 from ._registry import ParamRecord, ParamRegistry
 from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
+from ._watch import Alarm, Watch, WatchConfig
 from ._vocabulary import NotCounted, Source
 from ._wrapper import NormAwareOptimizer
 
 __all__ = [
+    "Alarm",
     "AuditError",
     "AuditReport",
     "Communicator",
@@ -45,6 +47,8 @@ __all__ = [
     "UnknownParamError",
     "UnsupportedOptimizerError",
     "UntestedMegatronWarning",
+    "Watch",
+    "WatchConfig",
 ]
 
 __version__ = "0.3.0"

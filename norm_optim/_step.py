@@ -1,7 +1,7 @@
 """Step norms: what one armed ``step()`` saw and did, per param and layer, in one all-reduce.
 
 :class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer: the adapter's
-:func:`~norm_optim._megatron.step_state.step_hooks` calls it back once the grads are ready
+:func:`~norm_optim._megatron.step_state.run_step` calls it back once the grads are ready
 (unscaled, before Megatron clips them in place) and when the step is taken (a skipped step never
 is). After the step, the weights, the updates (derived from the optimizer's state by each leaf's
 rule: :mod:`norm_optim._megatron.rules`) and the Adam moments are summed over the same slots,
@@ -27,8 +27,9 @@ from ._kernels import SumOfSquaresPlan
 from ._kernels.chunks import ChunkedSquares
 from ._megatron.descriptor import clip_group_of, separate_clip_groups
 from ._megatron.rules import Stepped, UpdateRule
-from ._megatron.step_state import step_hooks
+from ._megatron.step_state import run_step
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
+from ._watch import Watch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +262,9 @@ class StepPlan:
 
 
 class StepMeasurement:
-    """One armed step: arm (checks, names exchange), run the step inside :meth:`around`, then
-    :meth:`launch` the packet.
+    """One armed step: arm (checks, names exchange), run the step with :meth:`grads_ready` and
+    :meth:`step_taken` as its hooks and the plan's in-step readers around it
+    (:func:`observed_step`), then :meth:`launch` the packet.
 
     Args:
         reducer: the wrapper's current reducer (records, slots, the weights' plans).
@@ -278,19 +280,12 @@ class StepMeasurement:
         self._grads: Optional[torch.Tensor] = None
         self._stepped = False
 
-    @contextlib.contextmanager
-    def around(self) -> Iterator[None]:
-        """The step runs inside (:func:`~norm_optim._megatron.step_state.step_hooks`, and the
-        in-step rules' readers)."""
+    def grads_ready(self) -> None:
+        """The step's grads are on the fp32 mains, unscaled, not clipped yet: sum them."""
+        self._grads = self._grad_squares()
 
-        def grads_ready() -> None:
-            self._grads = self._grad_squares()
-
-        def step_taken() -> None:
-            self._stepped = True
-
-        with step_hooks(self.optimizer, grads_ready, step_taken), self.plan.around_step():
-            yield
+    def step_taken(self) -> None:
+        self._stepped = True
 
     def launch(self) -> PendingStepNorms:
         """After the step: the local sums of every quantity, then one all-reduce of them all."""
@@ -338,3 +333,83 @@ class StepMeasurement:
             return squares
         self.plan.add_update_squares(squares)
         return reducer.fold(squares) if per_param else squares
+
+
+class WatchedGrads:
+    """What a watched step sums: its grads (unscaled, before clipping), per param, in one
+    all-reduce of the per-param slot vector, judged by the :class:`~norm_optim._watch.Watch`
+    on the device. Built once per reducer (the step state maps the same tensors until the
+    registry is rebuilt).
+
+    Args:
+        reducer: the wrapper's current reducer (its per-param slots: the names exchange runs
+            at the first watched step, on every rank).
+        optimizer: the wrapped optimizer.
+        watch: the judge.
+    """
+
+    def __init__(self, reducer: NormReducer, watch: Watch) -> None:
+        self.reducer, self.watch = reducer, watch
+        # Only the grads are read: any leaf whose stepped tensors the descriptor knows serves,
+        # whether or not its update rule is one step norms derive.
+        descriptor = reducer.registry.descriptor
+        self._entries: list[Optional[Stepped]] = []
+        for record in reducer.registry.counted:
+            entry = None if record.source.is_frozen else descriptor.stepped(record.tensor)
+            if entry is None and not record.source.is_frozen:
+                raise UnsupportedOptimizerError(
+                    f"the watch reads the grad of each fp32 tensor the optimizer steps; the one "
+                    f"norm_optim holds for {record.name!r} is not a tensor any leaf steps"
+                )
+            self._entries.append(entry)
+        self._verdict: Optional[torch.Tensor] = None
+        reducer.num_slots(True)  # the per-param slots (names exchange) before the first step
+
+    def grads_ready(self) -> None:
+        """Sum, reduce and judge the grads (on the device: no host sync)."""
+        reducer = self.reducer
+        grads = [None if e is None else e.grad for e in self._entries]
+        squares = reducer.local_squares(grads, per_param=True)
+        reducer.comm.all_reduce_sum(squares, reducer.group, async_op=False).wait()
+        self._verdict = self.watch.judge_grads(squares, reducer.per_param_slots, reducer.device)
+
+    def veto(self) -> bool:
+        """With ``skip``, whether this step must not be applied: the verdict read on the host
+        (the watch's one host read, after the step's own)."""
+        if not self.watch.config.skip or self._verdict is None:
+            return False
+        skip, self._verdict = bool(self._verdict), None
+        if skip:
+            self.watch.mark_skipped()
+        return skip
+
+
+def observed_step(
+    optimizer: Any,
+    measurement: Optional[StepMeasurement],
+    watched: Optional[WatchedGrads],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with an armed measurement and / or a watch reading
+    its grads before clipping; the watch may veto the step (``skip``)."""
+
+    @torch.no_grad()
+    def grads_ready() -> None:
+        if measurement is not None:
+            measurement.grads_ready()
+        if watched is not None:
+            watched.grads_ready()
+
+    def step_taken() -> None:
+        if measurement is not None:
+            measurement.step_taken()
+
+    def veto() -> bool:
+        return watched is not None and watched.veto()
+
+    in_step = (
+        measurement.plan.around_step() if measurement is not None else contextlib.nullcontext()
+    )
+    with in_step:  # the in-step rules' readers (Muon's update)
+        return run_step(optimizer, grads_ready, step_taken, veto, *args, **kwargs)

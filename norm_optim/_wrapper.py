@@ -20,7 +20,8 @@ from ._megatron import audit_layout, check_reduce_group, rank_coords
 from ._ownership import RankCoords
 from ._registry import ParamRegistry
 from ._staleness import Staleness
-from ._step import PendingStepNorms, StepMeasurement, StepNorms
+from ._step import PendingStepNorms, StepMeasurement, StepNorms, WatchedGrads, observed_step
+from ._watch import Watch, WatchConfig
 from ._versions import warn_if_untested
 
 
@@ -41,6 +42,9 @@ class _State:
     names: Optional[list[tuple[str, bool]]] = None  # gathered per-param names, kept across rebuilds
     armed: Optional[StepMeasurement] = None  # measure_next_step() was called
     measured: Optional[PendingStepNorms] = None  # the last armed step's packet
+    watch: Optional[Watch] = None  # watch() was called
+    watched_grads: Optional[WatchedGrads] = None  # the watch's reads, for the current reducer
+    ratios_judged: Optional[PendingStepNorms] = None  # the measured step the watch has seen
     pg_collection: Any = None  # the audit reads its groups from it too
 
 
@@ -181,28 +185,85 @@ class NormAwareOptimizer:
         """The wrapped optimizer's ``step``: same arguments, same return value, same training.
 
         When armed by :meth:`measure_next_step`, it also reads the grads before clipping and,
-        after the step, launches the one all-reduce of :meth:`step_norms`.
+        after the step, launches the one all-reduce of :meth:`step_norms`. When watched
+        (:meth:`watch`), it sums and judges the grads before clipping (one all-reduce), and with
+        ``skip`` does not apply a step with a spike.
         """
         state = self._state
         measurement, state.armed = state.armed, None
-        if measurement is None:
+        if measurement is None and state.watch is None:
             return state.optimizer.step(*args, **kwargs)
         reducer = self._current_reducer()
-        if reducer is not measurement.reducer:  # tensors replaced since arming (a load)
+        if measurement is not None and reducer is not measurement.reducer:
+            # Tensors replaced since arming (a load).
             measurement = StepMeasurement(reducer, state.optimizer, measurement.per_param)
-        with measurement.around():
-            result = state.optimizer.step(*args, **kwargs)
-        with torch.no_grad():
-            state.measured = measurement.launch()
+        watched = self._watched_grads(reducer)
+        result = observed_step(state.optimizer, measurement, watched, *args, **kwargs)
+        if measurement is not None:
+            with torch.no_grad():
+                state.measured = measurement.launch()
         return result
 
     def step_norms(self) -> StepNorms:
-        """The :class:`StepNorms` of the last armed step (waits for its all-reduce)."""
-        if self._state.measured is None:
+        """The :class:`StepNorms` of the last armed step (waits for its all-reduce). A watched
+        optimizer's watch judges its per-layer update-to-weight ratios (once per step)."""
+        state = self._state
+        if state.measured is None:
             raise NormOptimError(
                 "no step was measured: call measure_next_step() before step(), on every rank"
             )
-        return self._state.measured.wait()
+        norms = state.measured.wait()
+        if state.watch is not None and state.ratios_judged is not state.measured:
+            state.ratios_judged = state.measured
+            ratios = norms.update_to_weight
+            if ratios is not None and not norms.skipped:
+                state.watch.observe_ratios(list(ratios), ratios.vector)
+        return norms
+
+    # ---------------------------------------------------------------- the watch
+
+    def watch(self, config: Optional[WatchConfig] = None, **options: Any) -> Watch:
+        """Watch every later :meth:`step`: its grads (before clipping) in total, per layer and
+        per param, judged on the device against their rolling statistics (docs/watch.md).
+
+        Every rank must call it (a watched step makes one all-reduce of the per-param slots; the
+        first one gathers the names). Call :meth:`Watch.poll` after steps for the alarms, and
+        :meth:`Watch.observe_loss` to watch the loss too.
+
+        Args:
+            config: a :class:`~norm_optim.WatchConfig`; or its fields as keyword arguments
+                (``k``, ``window``, ``warmup``, ``skip``...).
+
+        Returns:
+            The :class:`~norm_optim.Watch` (also :attr:`watching`).
+        """
+        if config is None:
+            config = WatchConfig(**options)
+        elif options:
+            raise TypeError("pass a WatchConfig or its fields as keywords, not both")
+        state = self._state
+        # Refuse now, on every rank, a kind whose grads cannot be read (not at the first step).
+        reducer = self._current_reducer()
+        state.watch = Watch(config, arm=lambda: self.measure_next_step(per_param=True))
+        state.watched_grads = WatchedGrads(reducer, state.watch)
+        return state.watch
+
+    @property
+    def watching(self) -> Optional[Watch]:
+        """The :class:`~norm_optim.Watch` of this optimizer, or None."""
+        return self._state.watch
+
+    def unwatch(self) -> None:
+        """Stop watching (steps cost nothing extra again)."""
+        self._state.watch = self._state.watched_grads = None
+
+    def _watched_grads(self, reducer: NormReducer) -> Optional[WatchedGrads]:
+        state = self._state
+        if state.watch is None:
+            return None
+        if state.watched_grads is None or state.watched_grads.reducer is not reducer:
+            state.watched_grads = WatchedGrads(reducer, state.watch)
+        return state.watched_grads
 
     @property
     def registry(self) -> ParamRegistry:

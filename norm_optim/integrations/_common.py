@@ -19,6 +19,7 @@ from .._moved import moved_names
 from .._norm import NamedNorms, ParamNorms
 from .._step import StepNorms
 from .._patching import Patch, PatchSet
+from .._watch import LOSS, Alarm, WatchConfig, say
 from .._wrapper import NormAwareOptimizer
 
 
@@ -136,11 +137,22 @@ class ParamsNormLog:
     """
 
     def __init__(
-        self, breakdown: bool, per_param: bool, top_k: int = 3, step_norms: bool = False
+        self,
+        breakdown: bool,
+        per_param: bool,
+        top_k: int = 3,
+        step_norms: bool = False,
+        watch: Optional[WatchConfig] = None,
     ) -> None:
         self.breakdown, self.per_param, self.top_k = breakdown, per_param, top_k
-        self.step_norms = step_norms
+        self.step_norms, self.watch = step_norms, watch
         self._previous: Optional[ParamNorms] = None
+
+    @property
+    def arms_steps(self) -> bool:
+        """Whether the loop's step function is patched: to arm steps (step norms, a watch's
+        aftermath)."""
+        return self.step_norms or self.watch is not None
 
     @property
     def writes_scalars(self) -> bool:
@@ -247,6 +259,24 @@ def ratio_note(step: StepNorms) -> str:
         layer, value = max(zip(ratios, values), key=lambda kv: kv[1])
         note += f" (largest: layer {layer} {value:.2e})"
     return note
+
+
+WATCH_TAG = "watch/alarms"
+"""The scalar of the watch: the number of alarms at an iteration (0 at logged iterations)."""
+
+
+def loop_loss(loss_dict: Any) -> Optional[float]:
+    """The loss in a Megatron loop's ``training_log`` ``loss_dict`` (``lm loss`` or its first
+    entry; a ``[sum, count]`` pair is divided), or None where this rank has none (every stage
+    but the last)."""
+    if not isinstance(loss_dict, Mapping) or not loss_dict:
+        return None
+    value = loss_dict.get("lm loss", next(iter(loss_dict.values())))
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return float(value[0]) / float(value[1])
+    if hasattr(value, "numel") and value.numel() == 2:
+        return float(value.reshape(-1)[0] / value.reshape(-1)[1])
+    return float(value)
 
 
 AUDIT_TAG = "params-audit/findings"
@@ -412,6 +442,15 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _is_logging_rank() -> bool:
+    """The rank Megatron's loops print their log line on: the last one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
 def is_loop_model(model: Any, chunks: Optional[list[Any]]) -> bool:
     """Whether ``model`` (a chunk or a list of them) is exactly the loop's model ``chunks``:
     the deferred norm stands for the wrapped optimizer's model, and no other."""
@@ -467,12 +506,14 @@ class LoopIntegration:
         audit: Optional[AuditSchedule] = None,
         parity: Optional[CheckpointParity] = None,
     ) -> None:
-        self.optimizer: Optional[NormAwareOptimizer] = None
+        self._optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
         self.audit = audit if audit is not None else AuditSchedule(0, "warn")
         self.parity = parity
         self._log = log
         self._armed_iteration: Optional[int] = None  # the iteration whose step is measured
+        self._aftermath = False  # the next step is armed per param: the last one alarmed
+        self._armed_aftermath = False  # the armed step is an alarm's aftermath
         self._first_step = True
         self._wrapper_options = wrapper_options
         self._log_signature = inspect.signature(training_log)
@@ -480,6 +521,18 @@ class LoopIntegration:
         self._patches = PatchSet.apply(
             [Patch(module, name, self._replacement(name)) for module, name in targets]
         )
+
+    @property
+    def optimizer(self) -> Optional[NormAwareOptimizer]:
+        """The :class:`~norm_optim.NormAwareOptimizer` of the latest setup (None before it)."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Optional[NormAwareOptimizer]) -> None:
+        # A watched install watches every optimizer a setup builds (each rank alike).
+        if optimizer is not None and self._log.watch is not None and optimizer.watching is None:
+            optimizer.watch(self._log.watch)
+        self._optimizer = optimizer
 
     def _replacement(self, name: str) -> Callable[..., Any]:
         """``self._<name>`` under the original's name, signature and docstring, marked as ours."""
@@ -525,9 +578,12 @@ class LoopIntegration:
         ``reads(first)`` says that log reads the norms (every rank alike; ``first``: this is the
         run's first step). Only with ``install(step_norms=True)``."""
         first, self._first_step = self._first_step, False
-        if self._log.step_norms and self.optimizer is not None and reads(first):
-            self.optimizer.measure_next_step(per_param=self._log.per_param)
-            self._armed_iteration = iteration
+        aftermath, self._aftermath = self._aftermath, False
+        if self.optimizer is None:
+            return
+        if aftermath or (self._log.step_norms and reads(first)):
+            self.optimizer.measure_next_step(per_param=self._log.per_param or aftermath)
+            self._armed_iteration, self._armed_aftermath = iteration, aftermath
 
     def _training_log(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._log_signature.bind(*args, **kwargs)
@@ -539,9 +595,8 @@ class LoopIntegration:
                 norms = self._log.read(self.optimizer)  # every rank: one all-reduce
             bound.arguments["params_norm"] = self._log.value(norms)
         step: Optional[StepNorms] = None
-        if self._armed_iteration is not None and self._armed_iteration == self._log_iteration(
-            bound.arguments
-        ):
+        armed = self._armed_iteration
+        if armed is not None and armed == self._log_iteration(bound.arguments):
             assert self.optimizer is not None
             self._armed_iteration = None
             try:
@@ -556,16 +611,43 @@ class LoopIntegration:
         writers = None
         if (norms is not None and self._log.writes_scalars) or step is not None:
             writers = self._scalar_writers(bound.arguments)
-        if writers is not None:
-            if norms is not None and self._log.writes_scalars:
-                self._log.write(norms, *writers)
-            if step is not None:
-                write_scalars(step_scalars(step, self._log.per_param), *writers)
+        if writers is not None and norms is not None and self._log.writes_scalars:
+            self._log.write(norms, *writers)
+        if step is not None:
+            if writers is None and self._armed_aftermath:
+                # A watch's aftermath: written whatever the interval.
+                writers = (self._iteration(bound.arguments), *self._writers(bound.arguments))
+            if writers is not None:
+                per_param = self._log.per_param or self._armed_aftermath
+                write_scalars(step_scalars(step, per_param), *writers)
         if self.optimizer is not None:
             iteration = self._iteration(bound.arguments)
+            if self.optimizer.watching is not None:
+                self._poll_watch(iteration, bound.arguments)
             if self.audit.due(self.optimizer, iteration):  # every rank alike
                 self.audit.run(self.optimizer, iteration, *self._writers(bound.arguments))
         return result
+
+    def _poll_watch(self, iteration: int, arguments: Mapping[str, Any]) -> tuple[Alarm, ...]:
+        """After each ``training_log``: feed the loss (where this rank has it), read the
+        watch's alarms, say them on the logging rank, write ``watch/alarms``, and arm the next
+        step per param after an alarm every rank judged alike (the grads')."""
+        assert self.optimizer is not None and self.optimizer.watching is not None
+        watch = self.optimizer.watching
+        loss = loop_loss(arguments.get("loss_dict"))
+        if loss is not None:
+            watch.observe_loss(loss)
+        alarms = watch.poll(iteration, arm=False)
+        if watch.config.arm_after_alarm and any(a.signal != LOSS for a in alarms):
+            self._aftermath = True
+        if alarms and _is_logging_rank():
+            say(alarms)
+        writers = self._scalar_writers(arguments)
+        if alarms and writers is None:
+            writers = (iteration, *self._writers(arguments))
+        if writers is not None:
+            write_scalars({WATCH_TAG: float(len(alarms))}, *writers)
+        return alarms
 
     # ------------------------------------------------------------ what each loop says
 

@@ -51,6 +51,7 @@ from typing import Any, Mapping, Optional
 
 from .._errors import NormOptimError
 from .._versions import distribution_version
+from .._watch import WatchConfig
 from .._wrapper import NormAwareOptimizer
 from ._common import (
     AuditSchedule,
@@ -293,7 +294,7 @@ class MegatronBridgeIntegration(LoopIntegration):
             (train, "calc_params_l2_norm"),
             (train, "training_log"),
         ]
-        if log.step_norms:
+        if log.arms_steps:
             targets.append((train, "train_step"))
         if parity is not None:
             # pretrain() imported train() by name; save_checkpoint_and_time is train's own.
@@ -384,6 +385,7 @@ def install(
     audit_interval: int = 0,
     audit_action: str = "warn",
     checkpoint_parity: bool = True,
+    watch: "bool | dict[str, Any] | WatchConfig" = False,
     **wrapper_options: Any,
 ) -> MegatronBridgeIntegration:
     """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
@@ -421,6 +423,15 @@ def install(
             (``params-norm/at-load`` and a line from rank 0) and name the layers whose norm
             differs from what was saved (warned or raised as ``audit_action`` says). On by
             default; a checkpoint saved without it just gets the at-load line.
+        watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
+            True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
+            config. Each iteration's grads (before clipping) in total, per layer and per param
+            are judged against their rolling statistics (one all-reduce per step, no host sync
+            of its own), and the loss where this rank has it; an alarm is a line
+            ``norm_optim watch: iteration <N>: ...`` on the last rank (logger
+            ``norm_optim.watch``) naming the signal, the layer and the param, the scalar
+            ``watch/alarms``, and the next step measured per param (its step norms written).
+            With ``skip``, a spiking step is not applied (a skipped iteration to the loop).
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
 
@@ -442,10 +453,10 @@ def install(
             "on the handle install() returned before installing again"
         )
     _check_hooks(setup, train)
-    if step_norms and not callable(getattr(train, "train_step", None)):
+    if (step_norms or watch) and not callable(getattr(train, "train_step", None)):
         raise MegatronBridgeVersionError(
             f"megatron.bridge.training.train of {_versions()} has no train_step: "
-            "install(step_norms=True) arms the optimizer step there"
+            "install(step_norms=True) and install(watch=...) arm the optimizer step there"
         )
-    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms)
+    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms, watch=WatchConfig.of(watch))
     return MegatronBridgeIntegration(setup, train, log, wrapper_options, audit, parity)

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional
 
 from .._errors import NormOptimError
 from .._versions import megatron_core_version_string
+from .._watch import WatchConfig
 from .._wrapper import NormAwareOptimizer
 from ._common import (
     AuditSchedule,
@@ -136,7 +137,7 @@ class MegatronLMIntegration(LoopIntegration):
         audit: Optional[AuditSchedule] = None,
         parity: Optional[CheckpointParity] = None,
     ) -> None:
-        names = _PATCHED + (("train_step",) if log.step_norms else ())
+        names = _PATCHED + (("train_step",) if log.arms_steps else ())
         names += ("save_checkpoint",) if parity is not None else ()
         super().__init__(
             [(training, name) for name in names],
@@ -212,6 +213,7 @@ def install(
     audit_interval: int = 0,
     audit_action: str = "warn",
     checkpoint_parity: bool = True,
+    watch: "bool | dict[str, Any] | WatchConfig" = False,
     **wrapper_options: Any,
 ) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
@@ -252,6 +254,15 @@ def install(
             (``params-norm/at-load`` and a line from rank 0) and name the layers whose norm
             differs from what was saved (warned or raised as ``audit_action`` says). On by
             default; a checkpoint saved without it just gets the at-load line.
+        watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
+            True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
+            config. Each iteration's grads (before clipping) in total, per layer and per param
+            are judged against their rolling statistics (one all-reduce per step, no host sync
+            of its own), and the loss where this rank has it; an alarm is a line
+            ``norm_optim watch: iteration <N>: ...`` on the last rank (logger
+            ``norm_optim.watch``) naming the signal, the layer and the param, the scalar
+            ``watch/alarms``, and the next step measured per param (its step norms written).
+            With ``skip``, a spiking step is not applied (a skipped iteration to the loop).
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``pg_collection``, ``group``, ``comm``).
 
@@ -272,5 +283,5 @@ def install(
             "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
             "handle install() returned before installing again"
         )
-    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms)
+    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms, watch=WatchConfig.of(watch))
     return MegatronLMIntegration(training, log, wrapper_options, audit, parity)
