@@ -39,6 +39,8 @@ LAYOUTS = {  # name: (layout, distributed optimizer, the param spiked)
     "dp2-distopt": (Layout(2, SMALL), True, SPIKED),
     "dp2-fp16opt": (Layout(2, SMALL), False, SPIKED),
     "moe-ep2-distopt": (Layout(2, SMALL_MOE, ep=2), True, EXPERT_SPIKED),
+    # Muon's layer-wise optimizer (0.19+): each matrix stepped whole on one DP rank.
+    "muon-dp2-layer-wise": (Layout(2, SMALL, optimizer="muon", layer_wise=True), False, SPIKED),
 }
 
 
@@ -55,7 +57,12 @@ class CountingCommunicator(TorchCommunicator):
 def _build(layout: Layout, dist_opt: bool) -> tuple[list, Any]:
     init_parallel(**layout.parallel())
     chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, seed=SEED)
-    return chunks, build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
+    extra: dict[str, Any] = {}
+    if layout.optimizer != "adam":
+        extra = dict(
+            optimizer=layout.optimizer, use_layer_wise_distributed_optimizer=layout.layer_wise
+        )
+    return chunks, build_optimizer(chunks, lr=1e-2, weight_decay=0.1, **extra)
 
 
 class Spiker:
@@ -110,7 +117,9 @@ def _watched_run(
     return {"alarms": alarms, "reduces": reduces, "ok": results}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=layout.marks()) for name, (layout, _, _) in LAYOUTS.items()]
+)
 def test_a_spike_is_named_in_its_step(name: str) -> None:
     """×100 on one param's grads at step 16: an alarm at step 16, on every rank alike, naming
     that param and its layer; none before (the spike's aftermath may alarm after it). The step
