@@ -22,8 +22,8 @@ import torch
 from .._comm import ProcessGroup
 from .._errors import UnsupportedOptimizerError
 from .._versions import megatron_core_version_string
-from .holdings import Holding
-from .rules import Refused, Stepped, UpdateRule, local, qualified_name, rule_for
+from .holdings import Holding, is_precision_aware, local, qualified_name
+from .rules import Refused, Stepped, UpdateRule, rule_for
 
 # megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (0.14-0.20.dev)
 HYBRID_DEVICE_OPTIMIZER = "HybridDeviceOptimizer"
@@ -186,7 +186,7 @@ def _rule_and_stepped(
     leaf: Any, inner: Any, config: Any
 ) -> tuple[Optional[UpdateRule], Optional[str], list[Stepped], str]:
     """(rule, refusal, stepped tensors, where the grads are) of a leaf with a torch optimizer."""
-    if bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)):
+    if is_precision_aware(leaf):
         why = (
             "its grads are decoupled_grad and its masters live in TE's FusedAdam state; not "
             "read yet"
