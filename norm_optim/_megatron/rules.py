@@ -277,7 +277,9 @@ class SGDRule(UpdateRule):
                     factors[i] = -float(entries[i].group["lr"])
                 continue
             # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
-            torch._foreach_copy_(o, [entries[i].grad for i in index])
+            grads = [g for g in (entries[i].grad for i in index) if g is not None]
+            assert len(grads) == len(o), "stepped() is only true for a tensor with a grad"
+            torch._foreach_copy_(o, grads)
             if sign < 0:
                 torch._foreach_neg_(o)
             if wd:
