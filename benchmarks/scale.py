@@ -24,7 +24,8 @@ world-wide findings exchange then holds this copy group's findings only (other g
 reporters would add theirs into the same fixed-size slots: the bytes do not change).
 
 ``--validate`` runs the same model and operations on real gloo ranks (2-16 forked processes),
-counts the bytes ``torch.distributed`` moves on each (``norm_optim.testing.comm.counting_patches``, at the
+counts the bytes ``torch.distributed`` moves on each
+(``norm_optim.testing.comm.counting_patches``, at the
 primitives) and prints them beside the simulation's for the same layout.
 
 Columns: collectives; bytes sent and received; host syncs (blocking collectives whose result
@@ -370,7 +371,7 @@ def run_layout(layout: Layout, world: int, params: int) -> list[Row]:
     rows.append(_drifted(layout, world, params, "audit() drifted replica", whole=True))
     parity = CheckpointParity("warn")
     with tempfile.TemporaryDirectory() as directory:
-        add("checkpoint parity save", lambda: parity.saved(optimizer, directory, 1))
+        add("checkpoint parity save", lambda: _save(parity, optimizer, directory))
         add("checkpoint parity load (reader)", lambda: _load(parity, optimizer, directory))
         verdict = {"saved_total": 1.0, "differ": [], "count": 0}
         # A rank that does not read the file: it receives the verdict.
@@ -405,12 +406,18 @@ def _report(report: Any) -> dict[str, int]:
     return {"report": len(report.summary().encode()), "findings": len(report.findings)}
 
 
-def _load(parity: CheckpointParity, optimizer: NormAwareOptimizer, directory: str) -> None:
+def _save(parity: CheckpointParity, optimizer: NormAwareOptimizer, directory: str) -> dict:
+    parity.saved(optimizer, directory, 1)
+    return {"reads": 1}  # the norms it writes
+
+
+def _load(parity: CheckpointParity, optimizer: NormAwareOptimizer, directory: str) -> dict:
     import contextlib
     import io
 
     with contextlib.redirect_stdout(io.StringIO()):
         parity.loaded(optimizer, directory, 1, None, None)
+    return {"reads": 1}  # the norms it compares
 
 
 def _drifted(layout: Layout, world: int, params: int, operation: str, whole: bool) -> Row:

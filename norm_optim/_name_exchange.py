@@ -14,9 +14,9 @@ Here ranks agree on a digest first and only distinct lists travel:
 2. One ``all_gather`` of the 16-byte digests over the reduction group.
 3. For each distinct non-empty digest, in the order every rank computes alike from the gathered
    digests, the lowest group rank holding it is its speaker. One all-reduce SUM of the lists'
-   byte sizes (deflated: :func:`encode`) (each speaker writes its own), then one all-reduce SUM of one int64 buffer that
-   holds every distinct list at its place (each speaker writes its own; everyone else zeros):
-   three collectives and two host syncs in all, whatever the number of distinct lists
+   byte sizes, deflated (:func:`encode`; each speaker writes its own), then one all-reduce SUM
+   of one int64 buffer that holds every distinct list at its place (each speaker writes its
+   own; everyone else zeros): three collectives and two host syncs in all, whatever the number of distinct lists
    (pipeline stages times expert ranks: ~520 at PP4 x EP64, which were one broadcast each).
 
 Every rank of the group enters the same collectives in the same order; no layout knowledge is

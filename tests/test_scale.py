@@ -4,7 +4,8 @@ every size, and the bytes each rank receives during ``audit()`` flat in the grou
 Real megatron-core Float16 optimizers on CPU gloo ranks (whole fp32 mains, replicated over DP).
 Each run trains a step, audits clean, then adds faults one scenario at a time
 (``norm_optim.testing.inject_fault_``) and audits again on every rank. The bytes are counted at
-``torch.distributed``'s primitives (``norm_optim.testing.comm.counting_patches``): deterministic, not timed.
+``torch.distributed``'s primitives (``norm_optim.testing.comm.counting_patches``): deterministic,
+not timed.
 """
 
 from __future__ import annotations
@@ -68,7 +69,14 @@ def _body(layout: Layout) -> dict[str, Any]:
     audit("clean")
     for label, faults in _scenarios(layout.world):
         for param, what, how, rank in faults:
-            inject_fault_(optimizer, param, what=what, how=how, rank=rank, index=4)  # type: ignore[arg-type]
+            inject_fault_(
+                optimizer,
+                param,
+                what=what,  # type: ignore[arg-type]
+                how=how,  # type: ignore[arg-type]
+                rank=rank,
+                index=4,
+            )
         audit(label)
     return out
 
@@ -122,3 +130,20 @@ def test_bytes_received_during_audit_do_not_grow_from_dp2_to_dp8(
         assert received[8] <= received[2], (label, received)
         length = {w: len(runs[w][0]["audits"][label]["summary"]) for w in DP}
         assert length[8] <= length[2] + 8, (label, length)  # rank numbers get a digit longer
+
+
+def test_the_scale_benchmark_sees_flat_bytes_from_64_to_4096_simulated_ranks() -> None:
+    """``benchmarks.scale`` on one process: every layout's audits (clean, one drifted rank, a
+    drifted replica), weight norm and armed step receive the same bytes per rank at 4,096
+    simulated ranks as at 64, and the drifted audits find what was drifted."""
+    from benchmarks.scale import LAYOUTS, run_layout
+
+    flat = ("param_l2_norm()", "armed step", "audit() clean", "audit() one drifted rank")
+    for layout in LAYOUTS:
+        small = {r.operation: r for r in run_layout(layout, 64, 40)}
+        large = {r.operation: r for r in run_layout(layout, 4096, 40)}
+        for operation in (*flat, "audit() drifted replica"):
+            assert large[operation].received == small[operation].received, operation
+        assert large["audit() one drifted rank"].findings == 1
+        assert large["audit() drifted replica"].findings > 1
+        assert large["audit() clean"].findings == 0
