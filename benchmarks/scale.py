@@ -550,6 +550,40 @@ def format_rows(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_summary(rows: Sequence[Row]) -> str:
+    """Per layout family: each operation's bytes received per rank at every world size, and
+    its collectives, host syncs, Python seconds and largest receive at the largest one."""
+    out = []
+    families = [layout.name for layout in LAYOUTS]
+    worlds = sorted({r.world for r in rows})
+    for family, layout in zip(families, LAYOUTS):
+        mine = [r for r in rows if r.layout in {layout.label(w) for w in worlds}]
+        if not mine:
+            continue
+        top = max(worlds)
+        head = " | ".join(f"received, W={w:,}" for w in worlds)
+        sizes = "; ".join(f"W={w:,}: {layout.label(w)}" for w in worlds)
+        out += [
+            f"**{family}** ({sizes}; the last four columns at W={top:,})",
+            "",
+            f"| operation | {head} | collectives | host syncs | Python s | largest receive "
+            "| report |",
+            "|---|" + "---:|" * (len(worlds) + 5),
+        ]
+        for operation in dict.fromkeys(r.operation for r in mine):
+            at = {r.world: r for r in mine if r.operation == operation}
+            big = at[top]
+            report = f"{_bytes(big.report)} ({big.findings} findings)" if big.report else ""
+            out.append(
+                f"| {operation} | "
+                + " | ".join(_bytes(at[w].received) for w in worlds)
+                + f" | {big.collectives} | {big.syncs} | {big.python_s:.3f} "
+                f"| {_bytes(big.peak_receive)} | {report} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
 def format_validation(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| DP | operation | real gloo received | simulated | equal |",
@@ -585,6 +619,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         f"{args.params} params per rank"
     )
     print(format_rows(rows))
+    print()
+    print(format_summary(rows))
     result: dict[str, Any] = {"rows": [dataclasses.asdict(r) for r in rows]}
     if args.validate is not None:
         checked = validate(args.params, args.validate or [2, 4, 8])
