@@ -78,6 +78,10 @@ class CountingCommunicator(TorchCommunicator):
         self.others += 1
         return super().broadcast_object(obj, src, group)
 
+    def all_reduce(self, tensor: Any, group: Any, op: Any) -> None:
+        self.others += 1
+        return super().all_reduce(tensor, group, op)
+
     def all_gather_object(self, obj: Any, group: Any) -> Any:
         self.others += 1
         return super().all_gather_object(obj, group)
@@ -365,10 +369,10 @@ def test_norm_is_read_only_when_logged() -> None:
         assert [v is not None for _, v in seen["logged"]] == [True, True, True, True, False]
         counts = seen["all_reduces"]
         assert [b - a for a, b in zip(counts, counts[1:])] == [1, 1, 1, 0]
-        # The names exchange (a digest gather and a broadcast: DP replicas hold one list) ran
-        # before the first logged iteration's log, and never again.
+        # The names exchange (a digest gather and two all-reduces of the lists' sizes and
+        # bytes) ran before the first logged iteration's log, and never again.
         others = seen["others"]
-        assert others[0] == 2 and others == [others[0]] * 5, others
+        assert others[0] == 3 and others == [others[0]] * 5, others
         for (_, value), reference in zip(seen["logged"], seen["reference"]):
             if value is not None:
                 assert value == pytest.approx(reference, rel=REL)
