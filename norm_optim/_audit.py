@@ -350,9 +350,9 @@ def _norms(
 
 
 def _finding(name: str, kind: FindingKind, verdict: Verdict) -> Finding:
-    """One group's finding: the ranks off the majority (first, last, how many), the norm of
-    the first one's copy and of the majority's."""
-    first, last = verdict.off_first, verdict.off_last
+    """One group's finding: the ranks off the majority (up to 8 named, and how many), the norm
+    of the first one's copy and of the majority's."""
+    first = verdict.off_first
     norms = []
     if verdict.off_norm is not None:
         norms.append((first, verdict.off_norm))
@@ -361,7 +361,7 @@ def _finding(name: str, kind: FindingKind, verdict: Verdict) -> Finding:
     return Finding(
         name,
         kind,
-        (first,) if first == last else (first, last),
+        verdict.off_ranks,
         distinct=verdict.distinct,
         norms=tuple(norms),
         count=verdict.off_count,

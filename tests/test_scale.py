@@ -92,9 +92,9 @@ def _expected(world: int) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
         "several-ranks": (
             FC1,
             "dp-replicas-differ",
-            *{2: ((0, 1), 2), 4: ((0, 3), 4)}.get(world, ((1, last), 2)),
+            *{2: ((0, 1), 2), 4: ((0, 1, 2, 3), 4)}.get(world, ((1, last), 2)),
         ),
-        "tie": (PROJ, "dp-replicas-differ", (0, last), world),
+        "tie": (PROJ, "dp-replicas-differ", tuple(range(world)), world),  # all named
         "main": (QKV, "main-replicas-differ", (0, 1) if two else (1,), 2 if two else 1),
         "stale": (LN, "weight-stale-against-main", (0,), 1),
     }
