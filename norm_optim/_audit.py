@@ -293,9 +293,10 @@ def _compare(
     count = torch.tensor([len(check.records)], dtype=torch.int64, device=device)
     held = torch.ones_like(count, dtype=torch.bool)
     low, high = min_max(comm, count, held, check.group)
-    if int(low) != int(high):
+    fewest, most = torch.cat([low, high]).tolist()
+    if fewest != most:
         (verdict,) = vote(comm, count, held, low, high, [None], me, check.group)
-        name = f"<{check.label}: {int(low)} to {int(high)} params>"
+        name = f"<{check.label}: {fewest} to {most} params>"
         return [_finding(name, FindingKind.NOT_COMPARABLE, verdict)], set()
     if not check.records:
         return [], set()
@@ -307,7 +308,8 @@ def _compare(
     items = [(r, _NAME) for r in names_differ.nonzero().flatten().tolist()]
     ok = ~names_differ
     items += [(r, _WEIGHT) for r in (ok & differ[:, _WEIGHT]).nonzero().flatten().tolist()]
-    items += [(r, _MAIN) for r in (ok & same_range & differ[:, _MAIN]).nonzero().flatten().tolist()]
+    mains_differ = ok & same_range & differ[:, _MAIN]  # among holders of one range only
+    items += [(r, _MAIN) for r in mains_differ.nonzero().flatten().tolist()]
     mixed = set((ok & differ[:, _RANGE]).nonzero().flatten().tolist())
     if not items:
         return [], mixed
@@ -348,9 +350,9 @@ def _norms(
 
 
 def _finding(name: str, kind: FindingKind, verdict: Verdict) -> Finding:
-    """One group's finding: the ranks off the majority (first, last, how many), the norm of
-    the first one's copy and of the majority's."""
-    first, last = verdict.off_first, verdict.off_last
+    """One group's finding: the ranks off the majority (up to 8 named, and how many), the norm
+    of the first one's copy and of the majority's."""
+    first = verdict.off_first
     norms = []
     if verdict.off_norm is not None:
         norms.append((first, verdict.off_norm))
@@ -359,7 +361,7 @@ def _finding(name: str, kind: FindingKind, verdict: Verdict) -> Finding:
     return Finding(
         name,
         kind,
-        (first,) if first == last else (first, last),
+        verdict.off_ranks,
         distinct=verdict.distinct,
         norms=tuple(norms),
         count=verdict.off_count,

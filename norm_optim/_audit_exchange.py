@@ -13,7 +13,7 @@ slots, reduced over the whole group (no object collective, no per-rank buffer):
    counts the findings still waiting; rounds stop when none is, or when the report is full.
 
 What a rank receives is ``SLOTS × (record words) × 8`` bytes per round, whatever the group's
-size: ~49 KB; at most :data:`ROUNDS` rounds.
+size: ~53 KB; at most :data:`ROUNDS` rounds.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 
 from ._comm import Communicator, ProcessGroup
 from ._findings import KINDS, REPORT_CAP, Finding
-from ._reduced import INT64_MAX, pack_norm, unpack_norm
+from ._reduced import CLASSES, INT64_MAX, pack_norm, ranks_of, unpack_norm
 
 SLOTS = 128  # a power of two: a slot is 7 bits of the key
 ROUNDS = 8  # 8 × 7 bits of a 63-bit key
 NAME_WORDS = 32  # a param name travels as up to 256 UTF-8 bytes
-_MIN_WORDS = 8 + NAME_WORDS
+_MIN_WORDS = 7 + 2 * CLASSES + NAME_WORDS
 _SUM_WORDS = 4
 _NO_RANK = 0xFFFFFFFF
 
@@ -99,7 +99,11 @@ def _slot(key: int, round_: int) -> int:
 
 
 def _min_words(finding: Finding) -> list[int]:
-    first, last = finding.ranks[0], finding.ranks[-1]
+    first = finding.ranks[0]
+    named = [INT64_MAX] * (2 * CLASSES)  # per rank % CLASSES: the first rank, ~ the last
+    for rank in finding.ranks:
+        named[rank % CLASSES] = min(named[rank % CLASSES], rank)
+        named[CLASSES + rank % CLASSES] = min(named[CLASSES + rank % CLASSES], ~rank)
     norms = list(finding.norms)
     off = norms[0][1] if norms else None
     other_rank, other_norm = norms[1] if len(norms) > 1 else (_NO_RANK, None)
@@ -107,12 +111,12 @@ def _min_words(finding: Finding) -> list[int]:
     return [
         KINDS.index(finding.kind),
         first,
-        ~last,
         pack_norm(first, off),
         (first << 32) | other_rank,
         pack_norm(first, other_norm),
         ~finding.distinct,
         INT64_MAX if diff is None else ~struct.unpack("<q", struct.pack("<d", diff))[0],
+        *named,
         *_name_words(finding.param),
     ]
 
@@ -128,25 +132,26 @@ def _name_words(name: str) -> list[int]:
 
 
 def _decode(low: list[int], part: list[int]) -> Finding:
-    kind, first, last = KINDS[low[0]], low[1], ~low[2]
-    _, off = unpack_norm(low[3])
-    other_rank = low[4] & 0xFFFFFFFF
-    _, other = unpack_norm(low[5])
+    kind, first = KINDS[low[0]], low[1]
+    _, off = unpack_norm(low[2])
+    other_rank = low[3] & 0xFFFFFFFF
+    _, other = unpack_norm(low[4])
     norms: list[tuple[int, float]] = []
     if off is not None:
         norms.append((first, off))
     if other_rank != _NO_RANK and other is not None:
         norms.append((other_rank, other))
     diff: Optional[float] = None
-    if low[7] != INT64_MAX:
-        diff = struct.unpack("<d", struct.pack("<q", ~low[7]))[0]
-    name = struct.pack(f"<{NAME_WORDS}q", *low[8:]).rstrip(b"\0").decode(errors="replace")
+    if low[6] != INT64_MAX:
+        diff = struct.unpack("<d", struct.pack("<q", ~low[6]))[0]
+    ranks = ranks_of(low[7 : 7 + 2 * CLASSES])
+    name = struct.pack(f"<{NAME_WORDS}q", *low[7 + 2 * CLASSES :]).rstrip(b"\0")
     count, holders, elements, stale = part
     return Finding(
-        param=name,
+        param=name.decode(errors="replace"),
         kind=kind,
-        ranks=(first,) if first == last else (first, last),
-        distinct=~low[6],
+        ranks=ranks,
+        distinct=~low[5],
         elements=elements if stale else None,
         max_abs_diff=diff,
         norms=tuple(norms),

@@ -52,10 +52,10 @@ class Finding:
     Attributes:
         param: the layout-independent name (the keys of ``param_l2_norms(per_param=True)``).
         kind: what differs (:class:`FindingKind`).
-        ranks: global ranks named: the first and the last rank whose copy differs from the
-            majority's (one rank when only one does), or of both sides when no value has a
-            majority (two copies: a tie); the stale ranks for a stale weight. ``count`` says
-            how many ranks there are in all.
+        ranks: global ranks whose copy differs from the majority's, or of every side when no
+            value has a majority (two copies: a tie names both); the stale ranks for a stale
+            weight. At most 8 are named (the first and last of each class of rank % 4: all
+            of them when 8 or fewer are off); ``count`` says how many there are in all.
         distinct: how many different fingerprints the copies have (at least; values other
             than the smallest and largest are counted as one).
         elements: for a stale weight, how many elements are not the rounding of the main

@@ -16,8 +16,9 @@ Here ranks agree on a digest first and only distinct lists travel:
    digests, the lowest group rank holding it is its speaker. One all-reduce SUM of the lists'
    byte sizes, deflated (:func:`encode`; each speaker writes its own), then one all-reduce SUM
    of one int64 buffer that holds every distinct list at its place (each speaker writes its
-   own; everyone else zeros): three collectives and two host syncs in all, whatever the number of distinct lists
-   (pipeline stages times expert ranks: ~520 at PP4 x EP64, which were one broadcast each).
+   own; everyone else zeros): three collectives and two host syncs in all, whatever the
+   number of distinct lists (pipeline stages times expert ranks: ~520 at PP4 x EP64, which
+   were one broadcast each).
 
 Every rank of the group enters the same collectives in the same order; no layout knowledge is
 needed (dense / expert replicas over DP or expert-DP, several optimizer instances, FSDP shards,

@@ -9,9 +9,10 @@ needs:
   value (``~`` reverses the order of int64 without overflow: ``max(x) == ~min(~x)``). An item
   differs where they differ; the same on every rank.
 - :func:`vote`: for the items that differ only, each holder says whether its value is the
-  smallest, the largest or another one. One SUM (how many of each) and one MIN (the first and
-  last holder of each, and the norm of the first one's copy) are enough to name the majority
-  side and the ranks off it.
+  smallest, the largest or another one. One SUM (how many of each) gives the majority side;
+  one MIN gives the first and last holder of each side, the norm of the first one's copy, and
+  the first and last rank off the majority in each class of ``rank % CLASSES``: up to
+  ``2 * CLASSES`` ranks named (all of them when that few are off), and how many there are.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ._comm import Communicator, ProcessGroup
 
 INT64_MAX = (1 << 63) - 1
 SIDES = 3  # values equal to the smallest, equal to the largest, any other
+CLASSES = 4  # off-majority ranks are named by the first and last of each rank % CLASSES
 _NO_NORM = 0xFFFFFFFF  # low word of a packed (rank, norm) without a norm
 
 
@@ -82,6 +84,7 @@ class Verdict:
     off_first: int
     off_last: int
     off_norm: Optional[float]
+    off_ranks: tuple[int, ...]
     other_rank: Optional[int]
     other_norm: Optional[float]
 
@@ -98,30 +101,51 @@ def vote(
 ) -> list[Verdict]:
     """The :class:`Verdict` of each item (1-D int64 ``values`` of this rank, ``held`` mask,
     the items' group ``low`` / ``high`` from :func:`min_max`, this rank's copy's ``norms``):
-    two all-reduces of ``SIDES`` and ``2 * SIDES`` int64 per item."""
+    two all-reduces of ``SIDES`` and ``2 * (SIDES + CLASSES)`` int64 per item."""
     side = torch.where(values == low, 0, torch.where(values == high, 1, 2))
     onehot = torch.nn.functional.one_hot(side, SIDES).to(torch.int64) * held.unsqueeze(1)
     counts = onehot.clone()
     comm.all_reduce(counts, group, "sum")
+    tallies = counts.tolist()
+    major = torch.tensor([_major(count) for count in tallies], device=values.device)
     mine = onehot.bool()
+    off = held & (side != major)  # this rank's copy is off the majority
     packed = torch.tensor([pack_norm(me, n) for n in norms], dtype=torch.int64)
     packed = packed.to(values.device).unsqueeze(1).expand(-1, SIDES)
     top = torch.full_like(mine, INT64_MAX, dtype=torch.int64)
     lasts = torch.full_like(top, ~me)
-    firsts = torch.cat([torch.where(mine, packed, top), torch.where(mine, lasts, top)], dim=1)
+    named = torch.full((len(tallies), 2 * CLASSES), INT64_MAX, dtype=torch.int64)
+    named = named.to(values.device)
+    named[:, me % CLASSES] = torch.where(off, me, INT64_MAX)
+    named[:, CLASSES + me % CLASSES] = torch.where(off, ~me, INT64_MAX)
+    firsts = torch.cat(
+        [torch.where(mine, packed, top), torch.where(mine, lasts, top), named], dim=1
+    )
     comm.all_reduce(firsts, group, "min")
     verdicts = []
-    for count, row in zip(counts.tolist(), firsts.tolist()):
+    for count, row in zip(tallies, firsts.tolist()):
         sides = []
-        for c, first, last in zip(count, row[:SIDES], row[SIDES:]):
+        for c, first, last in zip(count, row[:SIDES], row[SIDES : 2 * SIDES]):
             if c:
                 rank, norm = unpack_norm(first)
                 sides.append(Side(c, rank, ~last, norm))
-        verdicts.append(_decide(sides))
+        verdicts.append(_decide(sides, ranks_of(row[2 * SIDES :])))
     return verdicts
 
 
-def _decide(sides: list[Side]) -> Verdict:
+def ranks_of(words: list[int]) -> tuple[int, ...]:
+    """The ranks named by ``CLASSES`` MIN words of ``rank`` and ``CLASSES`` of ``~rank``."""
+    low, high = words[:CLASSES], words[CLASSES:]
+    return tuple(sorted({w for w in low if w != INT64_MAX} | {~w for w in high if w != INT64_MAX}))
+
+
+def _major(count: list[int]) -> int:
+    """The side holding more than half the copies, or -1."""
+    holders = sum(count)
+    return next((c for c, n in enumerate(count) if 2 * n > holders), -1)
+
+
+def _decide(sides: list[Side], named: tuple[int, ...]) -> Verdict:
     """A majority side holds more than half the copies; everyone else is off it. Without one,
     every side is off (and named)."""
     holders = sum(s.count for s in sides)
@@ -136,6 +160,7 @@ def _decide(sides: list[Side]) -> Verdict:
         off_first=first.first,
         off_last=max(s.last for s in off),
         off_norm=first.norm,
+        off_ranks=named,
         other_rank=other.first if other is not None else None,
         other_norm=other.norm if other is not None else None,
     )

@@ -92,9 +92,9 @@ def _expected(world: int) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
         "several-ranks": (
             FC1,
             "dp-replicas-differ",
-            *{2: ((0, 1), 2), 4: ((0, 3), 4)}.get(world, ((1, last), 2)),
+            *{2: ((0, 1), 2), 4: ((0, 1, 2, 3), 4)}.get(world, ((1, last), 2)),
         ),
-        "tie": (PROJ, "dp-replicas-differ", (0, last), world),
+        "tie": (PROJ, "dp-replicas-differ", tuple(range(world)), world),  # all named
         "main": (QKV, "main-replicas-differ", (0, 1) if two else (1,), 2 if two else 1),
         "stale": (LN, "weight-stale-against-main", (0,), 1),
     }
@@ -147,3 +147,39 @@ def test_the_scale_benchmark_sees_flat_bytes_from_64_to_4096_simulated_ranks() -
         assert large["audit() one drifted rank"].findings == 1
         assert large["audit() drifted replica"].findings > 1
         assert large["audit() clean"].findings == 0
+
+
+def _not_comparable_body() -> dict[str, Any]:
+    """Plain fp32 models over DP = world (no megatron): rank 1 holds one layer more, then (a
+    second model) rank 2 names its second layer differently."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from norm_optim import NormAwareOptimizer
+
+    rank = dist.get_rank()
+    groups = types.SimpleNamespace(
+        tp=dist.new_group([rank]), dp_cp=dist.group.WORLD, pp=dist.new_group([rank])
+    )
+    out = {}
+    for case, names in (
+        ("count", ["a", "b", "c"] if rank == 1 else ["a", "b"]),
+        ("names", ["a", "z"] if rank == 2 else ["a", "b"]),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4) for name in names})
+        inner = torch.optim.AdamW(model.parameters())
+        report = NormAwareOptimizer(inner, model=model, pg_collection=groups).audit()
+        out[case] = [(f.param, str(f.kind), f.ranks, f.num_ranks) for f in report.findings]
+    return out
+
+
+def test_copies_that_are_not_comparable_are_named_by_the_ranks_off_the_majority() -> None:
+    results = run_ranks(_not_comparable_body, 4, cpu_shim=False, timeout=60)
+    first = results[0]
+    assert all(result == first for result in results)
+    kind = "copies-not-comparable"
+    assert first["count"] == [("<dp-replicas: 4 to 6 params>", kind, (1,), 1)]
+    assert first["names"] == [("b.bias", kind, (2,), 1), ("b.weight", kind, (2,), 1)]
