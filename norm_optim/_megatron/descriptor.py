@@ -23,9 +23,9 @@ from .._comm import ProcessGroup
 from .._errors import UnsupportedOptimizerError
 from .._versions import megatron_core_version_string
 from .._kernels import RemainderMaster
-from .holdings import Holding
+from .holdings import Holding, is_precision_aware, local, qualified_name
 from .precision_aware import master_rule, master_stepped
-from .rules import Refused, Stepped, UpdateRule, local, qualified_name, rule_for
+from .rules import Refused, Stepped, UpdateRule, rule_for
 
 # megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (0.14-0.20.dev)
 HYBRID_DEVICE_OPTIMIZER = "HybridDeviceOptimizer"
@@ -209,7 +209,7 @@ def _rule_and_stepped(
     leaf: Any, inner: Any, config: Any
 ) -> tuple[Optional[UpdateRule], Optional[str], list[Stepped], str]:
     """(rule, refusal, stepped tensors, where the grads are) of a leaf with a torch optimizer."""
-    if bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)):
+    if is_precision_aware(leaf):
         # TE's FusedAdam keeps the masters in its state and reads decoupled grads: its rule
         # (.precision_aware) says how; the masters are what the registry holds.
         where = "decoupled_grad (the main_grad shard, fp32 or bf16)"

@@ -57,6 +57,24 @@ class Holding:
     coords: Optional[RankCoords] = None
 
 
+def local(tensor: Any) -> Any:
+    """A DTensor's local shard (the same object the registry holds); any other value as is."""
+    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.5-2.14)
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.QualName`` of an object's class: how kinds, rules and refusals name it."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def is_precision_aware(leaf: Any) -> bool:
+    """Whether a leaf is megatron's precision-aware optimizer (TE's FusedAdam keeps its fp32
+    masters in its state, its grads are ``decoupled_grad``), from the leaf's config."""
+    config = getattr(leaf, "config", None)
+    return bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+
+
 def leaves(optimizer: Any) -> Iterator[Any]:
     """The optimizers that own tensors (a chained optimizer's members, recursively)."""
     inner = getattr(optimizer, "chained_optimizers", None)
@@ -92,12 +110,11 @@ def fp32_view_in(stepped: torch.Tensor, buffer: torch.Tensor) -> Optional[torch.
     Megatron-FSDP (v1 and v2) steps DTensors whose local shards view its fp32 main-weight
     buffers; anything else is a layout the readers do not know.
     """
-    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
-    local = getattr(stepped, "_local_tensor", stepped)
-    start = local.storage_offset() - buffer.storage_offset()
+    shard = local(stepped)
+    start = shard.storage_offset() - buffer.storage_offset()
     inside = (
-        local.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        and local.dtype == torch.float32
-        and 0 <= start <= start + local.numel() <= buffer.numel()
+        shard.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and shard.dtype == torch.float32
+        and 0 <= start <= start + shard.numel() <= buffer.numel()
     )
-    return local if inside else None
+    return shard if inside else None

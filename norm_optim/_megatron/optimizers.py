@@ -32,7 +32,7 @@ from .descriptor import (
     OptimizerDescriptor,
     describe_leaf,
 )
-from .holdings import Holding, leaves
+from .holdings import Holding, is_precision_aware, leaves, local, qualified_name
 
 Reader = Callable[[Any, "_Context"], Iterator["Holding"]]
 
@@ -94,7 +94,7 @@ def fingerprint(optimizer: Any) -> tuple:
             leaf if isinstance(leaf, torch.optim.Optimizer) else getattr(leaf, "optimizer", None)
         )
         groups = getattr(inner, "param_groups", None) or []
-        state = getattr(inner, "state", None) if _is_precision_aware(leaf) else None
+        state = getattr(inner, "state", None) if is_precision_aware(leaf) else None
         parts.append(
             (
                 id(leaf),
@@ -122,8 +122,7 @@ def where(tensor: Optional[torch.Tensor]) -> tuple:
         return ()
     # A DTensor (torch FSDP2 params, Megatron-FSDP's main weights) has no storage of its own:
     # its local shard does.
-    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.13)
-    tensor = getattr(tensor, "_local_tensor", tensor)
+    tensor = local(tensor)
     return (id(tensor), tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
 
 
@@ -131,7 +130,7 @@ def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
     for matches, why in _REFUSED:
         if matches(optimizer):
             raise UnsupportedOptimizerError(
-                f"{_class_name(optimizer)} ({megatron_core_version_string()}): {why}"
+                f"{qualified_name(optimizer)} ({megatron_core_version_string()}): {why}"
             )
     for matches, reader in _READERS:
         if matches(optimizer):
@@ -147,22 +146,18 @@ def _read(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
             except AttributeError as error:
                 # A megatron-core release that renamed what this reader relies on.
                 raise UnsupportedOptimizerError(
-                    f"{_class_name(optimizer)} ({megatron_core_version_string()}) looks like a "
+                    f"{qualified_name(optimizer)} ({megatron_core_version_string()}) looks like a "
                     f"kind norm_optim reads ({reader.__name__}) but lacks {error.name!r}: this "
                     "megatron-core moved it; please report it with the version"
                 ) from error
             return
     raise UnsupportedOptimizerError(
-        f"norm_optim cannot read the fp32 tensors of a {_class_name(optimizer)} "
+        f"norm_optim cannot read the fp32 tensors of a {qualified_name(optimizer)} "
         f"({megatron_core_version_string()}): supported are megatron-core's ChainedOptimizer, "
         "DistributedOptimizer (incl. precision-aware and CPU-offload), "
         "Float16OptimizerWithFloat16Params, FP32Optimizer, LayerWiseDistributedOptimizer, and "
         "plain torch.optim.Optimizer instances"
     )
-
-
-def _class_name(optimizer: Any) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,11 +170,6 @@ def _is_stub(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "is_stub_optimizer", False)) or (
         getattr(optimizer, "optimizer", "missing") is None
     )
-
-
-def _is_precision_aware(optimizer: Any) -> bool:
-    config = getattr(optimizer, "config", None)
-    return bool(getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
 
 
 def _read_chained(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
@@ -234,7 +224,7 @@ def _read_distributed(optimizer: Any, ctx: _Context) -> Iterator[Holding]:
         for model_group, shards in zip(model_groups, shard_groups):
             for param, shard in zip(model_group, shards):
                 how = source
-                if shard is None and _is_precision_aware(optimizer):
+                if shard is None and is_precision_aware(optimizer):
                     shard, how = _precision_aware_master(optimizer, param)
                 held.add(id(param))
                 # megatron/core/optimizer/distrib_optimizer.py (0.16-0.20.dev)

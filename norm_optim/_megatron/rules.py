@@ -30,18 +30,8 @@ from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
 import torch
 
+from .holdings import local, qualified_name
 from .orthogonalized import MOMENTUM, InStepUpdates, unread_step
-
-
-def local(tensor: Any) -> Any:
-    """A DTensor's local shard (the same object the registry holds); any other value as is."""
-    # DTensor._local_tensor: torch/distributed/tensor/_api.py (torch 2.4-2.14)
-    return getattr(tensor, "_local_tensor", tensor)
-
-
-def qualified_name(obj: Any) -> str:
-    """``module.QualName`` of an object's class: how rules and refusals name it."""
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +221,7 @@ def _adam_updates(
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, key in enumerate(keys):
         groups[key].append(i)
+    factors = [s.scale for s in scalars]
     for (eps, decay, amsgrad), index in groups.items():
         states = [entries[i].state for i in index]
         o = [out[i] for i in index]
@@ -238,14 +229,20 @@ def _adam_updates(
         m = [s["exp_avg"] for s in states]
         p = [entries[i].held for i in index]
         if o[0].device.type == "cpu":
-            # No kernel launches to save on CPU, but passes over memory: out= ops take four
+            # No kernel launches to save on CPU, but passes over memory: out= ops take three
             # (the list operations, in place only, six: a copy first, 1/x then a product).
+            # With decay, θ_a + (1 / decay') · m / denom is written, and its factor is
+            # scale · decay'.
             for oi, vi, mi, pi in zip(o, v, m, p):
                 torch.sqrt(vi, out=oi)
                 oi.add_(eps)
-                torch.div(mi, oi, out=oi)
                 if decay:
-                    oi.add_(pi, alpha=decay)
+                    torch.addcdiv(pi, mi, oi, value=1 / decay, out=oi)
+                else:
+                    torch.div(mi, oi, out=oi)
+            if decay:
+                for i in index:
+                    factors[i] *= decay
             continue
         torch._foreach_copy_(o, v)
         torch._foreach_sqrt_(o)
@@ -254,7 +251,7 @@ def _adam_updates(
         torch._foreach_mul_(o, m)
         if decay:
             torch._foreach_add_(o, p, alpha=decay)
-    return [s.scale for s in scalars]
+    return factors
 
 
 class SGDRule(UpdateRule):
@@ -296,7 +293,9 @@ class SGDRule(UpdateRule):
                     factors[i] = -float(entries[i].group["lr"])
                 continue
             # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
-            torch._foreach_copy_(o, [entries[i].grad for i in index])
+            grads = [g for g in (entries[i].grad for i in index) if g is not None]
+            assert len(grads) == len(o), "stepped() is only true for a tensor with a grad"
+            torch._foreach_copy_(o, grads)
             if sign < 0:
                 torch._foreach_neg_(o)
             if wd:
