@@ -329,3 +329,40 @@ def test_a_muon_with_its_own_step_is_refused_by_name() -> None:
     optimizer = NormAwareOptimizer(inner, model=model)
     with pytest.raises(UnsupportedOptimizerError, match="is not one norm_optim has read"):
         optimizer.measure_next_step()
+
+
+def _training(case: Case, armed: bool) -> dict:
+    chunks, inner = _build(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    returns = []
+    for step in range(3):
+        if armed:
+            optimizer.measure_next_step(per_param=step % 2 == 1)
+        returns.append(train_step(chunks, optimizer, seed=step))
+        if armed:
+            float(optimizer.step_norms().updates.total)
+    leaves = [leaf.optimizer for leaf in _leaves(inner) if getattr(leaf, "optimizer", None)]
+    return {
+        "returns": returns,
+        "params": [p.detach().clone() for c in chunks for p in c.parameters()],
+        "state": [
+            t.clone()
+            for o in leaves
+            for s in o.state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
+        ],
+        "own": [sorted(vars(o)) for o in leaves],
+    }
+
+
+@pytest.mark.parametrize("name", ["muon-dp2-shard-aligned", "muon-dp2-layer-wise"])
+def test_arming_changes_no_training_bit(name: str) -> None:
+    case = CASES[name]
+    plain = run_ranks(_training, case.world, case, False)
+    armed = run_ranks(_training, case.world, case, True)
+    for rank, (a, b) in enumerate(zip(plain, armed)):
+        assert a["returns"] == b["returns"], rank
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
+        assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"])), rank
+        assert a["own"] == b["own"], f"rank {rank}: the in-step hooks left attributes behind"
