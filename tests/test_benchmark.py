@@ -128,5 +128,11 @@ def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
         "bytes_read_param_l2_norm",
         "bytes_read_armed_step",
         "armed_over_plain",
+        "bound_bytes",
+        "aten_ops_plain_step",
+        "extra_aten_ops_per_tensor",
+        "extra_aten_ops_per_tensor_per_param",
     }
     assert row["bytes_read_armed_step"] == 7 * row["bytes_read_param_l2_norm"]
+    # Deterministic (counted, not timed): the ops an armed step adds per param tensor.
+    assert 0 < row["extra_aten_ops_per_tensor"] <= 40
