@@ -34,7 +34,7 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
-from tests.support.layouts import SMALL
+from tests.support.layouts import SMALL, SMALL_MOE
 
 pytestmark = pytest.mark.skipif(
     not (megatron_at_least(0, 19) and importlib.util.find_spec("emerging_optimizers")),
@@ -53,6 +53,7 @@ QUANTITIES = ("weights", "grads", "updates", "exp_avg", "exp_avg_sq", "momentum"
 class Case:
     world: int
     tp: int = 1
+    ep: int = 1
     optimizer: str = "muon"
     layer_wise: bool = False
     shard_aligned: bool = False  # the layer-wise optimizer beside a distributed optimizer
@@ -68,6 +69,7 @@ CASES = {
         4, tp=2, layer_wise=True, extra=(("muon_tp_mode", "duplicated"), ("muon_nesterov", True))
     ),
     "muon-tp2-dp2-shard-aligned": Case(4, tp=2, layer_wise=True, shard_aligned=True),
+    "muon-moe-ep2-dp2-layer-wise": Case(4, ep=2, layer_wise=True),
     # The legacy layer-wise overlap gathers params of uneven sizes per rank, which gloo
     # cannot (ProcessGroupGloo::allgather: invalid tensor size): the shard-aligned one here.
     "muon-dp2-shard-aligned-overlap-param-gather": Case(
@@ -77,11 +79,11 @@ CASES = {
 
 
 def _build(case: Case) -> tuple[list, Any]:
-    init_parallel(tp=case.tp)
+    init_parallel(tp=case.tp, ep=case.ep)
     overlap = dict(case.extra).get("overlap_param_gather", False)
     ddp = {"overlap_param_gather": True, "overlap_grad_reduce": True} if overlap else {}
     chunks = build_model(
-        SMALL,
+        SMALL_MOE if case.ep > 1 else SMALL,
         use_distributed_optimizer=case.shard_aligned,
         seed=SEED,
         layer_wise_layout=case.shard_aligned,
@@ -271,3 +273,96 @@ def test_muon_step_norms_against_the_snapshots(name: str) -> None:
                 assert per_param[pname] == pytest.approx(want, rel=REL, abs=1e-12), (rank, q, pname)
             if q == "momentum":
                 assert all(per_param[n] == 0.0 for n in oracle if n not in muon)
+
+
+def _plain_muon(cls: type) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 8, bias=False)
+    )
+    return model, cls(model.parameters(), lr=0.02, weight_decay=0.1, nesterov=True)
+
+
+def test_emerging_optimizers_muon_alone() -> None:
+    """emerging-optimizers' own ``Muon`` as a plain torch optimizer (one process): the updates
+    against snapshots, the momentum against its state, a param without a grad not stepped."""
+    from emerging_optimizers.orthogonalized_optimizers import Muon
+
+    model, inner = _plain_muon(Muon)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    for step in range(2):
+        optimizer.zero_grad()
+        layers = model if step == 0 else model[1:]  # the second step: no grad for layer 0
+        layers(torch.randn(4, 16 if step == 0 else 32)).square().sum().backward()
+        if step == 1:
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.measure_next_step(per_param=True)
+        optimizer.step()
+    s = optimizer.step_norms()
+    moved = [
+        float((p.detach().double() - b.double()).norm()) for p, b in zip(model.parameters(), before)
+    ]
+    momentum = [
+        float(inner.state[p]["momentum_buffer"].double().norm()) for p in model.parameters()
+    ]
+    assert moved[0] == 0.0 and float(s.updates.per_param["0.weight"]) == 0.0
+    assert float(s.updates.per_param["1.weight"]) == pytest.approx(moved[1], rel=ROUNDING)
+    assert float(s.momentum.per_param["0.weight"]) == pytest.approx(momentum[0], rel=REL)  # type: ignore[union-attr]
+    assert float(s.momentum.per_param["1.weight"]) == pytest.approx(momentum[1], rel=REL)  # type: ignore[union-attr]
+    assert s.exp_avg is None and s.exp_avg_sq is None
+    assert not set(vars(inner)) & {"_apply_weight_decay_inplace", "post_weight_update_fn_inplace"}
+
+
+def test_a_muon_with_its_own_step_is_refused_by_name() -> None:
+    from emerging_optimizers.orthogonalized_optimizers import Muon
+
+    from norm_optim import UnsupportedOptimizerError
+
+    class MyMuon(Muon):
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    MyMuon.__module__ = Muon.__module__
+    MyMuon.__qualname__ = MyMuon.__name__ = "Muon"  # even named as the one read
+    model, inner = _plain_muon(MyMuon)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    with pytest.raises(UnsupportedOptimizerError, match="is not one norm_optim has read"):
+        optimizer.measure_next_step()
+
+
+def _training(case: Case, armed: bool) -> dict:
+    chunks, inner = _build(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    returns = []
+    for step in range(3):
+        if armed:
+            optimizer.measure_next_step(per_param=step % 2 == 1)
+        returns.append(train_step(chunks, optimizer, seed=step))
+        if armed:
+            float(optimizer.step_norms().updates.total)
+    leaves = [leaf.optimizer for leaf in _leaves(inner) if getattr(leaf, "optimizer", None)]
+    return {
+        "returns": returns,
+        "params": [p.detach().clone() for c in chunks for p in c.parameters()],
+        "state": [
+            t.clone()
+            for o in leaves
+            for s in o.state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
+        ],
+        "own": [sorted(vars(o)) for o in leaves],
+    }
+
+
+@pytest.mark.parametrize("name", ["muon-dp2-shard-aligned", "muon-dp2-layer-wise"])
+def test_arming_changes_no_training_bit(name: str) -> None:
+    case = CASES[name]
+    plain = run_ranks(_training, case.world, case, False)
+    armed = run_ranks(_training, case.world, case, True)
+    for rank, (a, b) in enumerate(zip(plain, armed)):
+        assert a["returns"] == b["returns"], rank
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
+        assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"])), rank
+        assert a["own"] == b["own"], f"rank {rank}: the in-step hooks left attributes behind"

@@ -193,3 +193,33 @@ def test_precision_aware_step_norms_against_the_snapshots(name: str) -> None:
                 assert abs(got[i] - oracle[i]) <= bound, (rank, got, oracle)
             else:
                 assert got[i] == pytest.approx(oracle[i], rel=REL), (rank, q, got[i], oracle[i])
+
+
+def _training(case: Case, armed: bool) -> dict:
+    chunks, inner = _build(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    returns = []
+    for step in range(3):
+        if armed and step:  # the first step creates the masters the registry then holds
+            optimizer.measure_next_step(per_param=step % 2 == 1)
+        returns.append(train_step(chunks, optimizer, seed=step))
+        if armed and step:
+            float(optimizer.step_norms().updates.total)
+    leaves = [leaf.optimizer for leaf in inner.chained_optimizers]
+    return {
+        "returns": returns,
+        "params": [p.detach().clone() for c in chunks for p in c.parameters()],
+        "state": [t.clone() for o in leaves for s in o.state.values() for t in s.values()],
+        "own": [sorted(vars(o)) for o in leaves],
+    }
+
+
+def test_arming_changes_no_training_bit() -> None:
+    case = CASES["dp2-remainders-bf16-moments-clipping"]
+    plain = run_ranks(_training, case.world, case, False)
+    armed = run_ranks(_training, case.world, case, True)
+    for rank, (a, b) in enumerate(zip(plain, armed)):
+        assert a["returns"] == b["returns"], rank
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
+        assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"])), rank
+        assert a["own"] == b["own"], f"rank {rank}: the step's wrapper was left behind"

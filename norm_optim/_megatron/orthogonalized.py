@@ -67,9 +67,10 @@ class InStepUpdates:
     ``step()`` (see the module docstring).
 
     Inside :meth:`around_step`, the optimizer instance gets two attributes that shadow its
-    per-param hooks (removed afterwards): the first copies the tensor about to be stepped, the
+    per-param hooks (removed afterwards): the first copies the tensor about to be stepped into
+    one scratch buffer of the step (the size of the largest tensor the optimizer steps), the
     second subtracts that copy from the stepped tensor, in place, and sums its squares (float64,
-    no host sync). Only one copy is alive at a time.
+    no host sync) with one plan per distinct size (a few per model): a dozen ops per tensor.
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -77,6 +78,21 @@ class InStepUpdates:
         self.squares: dict[int, torch.Tensor] = {}
         """``id(tensor)`` → 0-dim float64 sum of squares of its update (stepped tensors only)."""
         self._pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._scratch: Optional[torch.Tensor] = None
+        self._plans: dict[int, SumOfSquaresPlan] = {}
+
+    def _place(self, param: torch.Tensor) -> torch.Tensor:
+        """Where ``param``'s copy goes: a flat view of the step's scratch (allocated at the first
+        tensor, the size of the largest; a tensor of another dtype or device gets its own)."""
+        scratch = self._scratch
+        if scratch is None:
+            largest = max(
+                (p.numel() for g in self.optimizer.param_groups for p in g["params"]), default=0
+            )
+            scratch = self._scratch = torch.empty(largest, dtype=param.dtype, device=param.device)
+        if scratch.dtype != param.dtype or scratch.device != param.device:
+            return torch.empty(param.numel(), dtype=param.dtype, device=param.device)
+        return scratch[: param.numel()]
 
     def _begin(self, param: torch.Tensor) -> None:
         if self._pending is not None:
@@ -89,7 +105,9 @@ class InStepUpdates:
                 f"{type(self.optimizer).__name__}.step() stepped one tensor twice in one step: "
                 "its update cannot be read in-step"
             )
-        self._pending = (param, param.detach().clone())
+        place = self._place(param)
+        place.copy_(param.detach().reshape(-1))
+        self._pending = (param, place)
 
     def _end(self, param: torch.Tensor) -> None:
         pending, self._pending = self._pending, None
@@ -101,9 +119,16 @@ class InStepUpdates:
         before = pending[1]
         # θ_after − θ_before into the copy (fp32: each element within 2^-24 of the exact
         # difference), then its float64 sum of squares by the registry's kernels.
-        delta = torch.sub(param.detach(), before, out=before)
-        plan = SumOfSquaresPlan([delta], [0], 1, out_device=delta.device)
+        delta = torch.sub(param.detach().reshape(-1), before, out=before)
+        plan = self._plans.get(delta.numel()) if delta.data_ptr() == self._data_ptr() else None
+        if plan is None:
+            plan = SumOfSquaresPlan([delta], [0], 1, out_device=delta.device)
+            if delta.data_ptr() == self._data_ptr():
+                self._plans[delta.numel()] = plan
         self.squares[id(param)] = plan()[0]
+
+    def _data_ptr(self) -> int:
+        return -1 if self._scratch is None else self._scratch.data_ptr()
 
     @contextlib.contextmanager
     def around_step(self) -> Iterator[None]:
@@ -134,6 +159,7 @@ class InStepUpdates:
                     setattr(optimizer, name, saved[name])
                 else:
                     delattr(optimizer, name)
+            self._scratch, self._plans = None, {}  # nothing stays after the step
         if self._pending is not None:
             self._pending = None
             raise NormOptimError(

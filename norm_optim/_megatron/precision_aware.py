@@ -42,16 +42,8 @@ import torch
 
 from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
-from .rules import (
-    _FUSED_ADAM_FP32,
-    TE_FUSED_ADAM,
-    Refused,
-    Stepped,
-    UpdateRule,
-    local,
-    qualified_name,
-    unread_flags,
-)
+from .holdings import local, qualified_name
+from .rules import _FUSED_ADAM_FP32, TE_FUSED_ADAM, Refused, Stepped, UpdateRule, unread_flags
 
 # The moments' dtypes the derivation reads as they are stored (no scale).
 READ_MOMENTS = (torch.float32, torch.bfloat16)
