@@ -260,7 +260,7 @@ def _table(
         key = id(record.param)
         weight = weights.get(key)
         main = mains.get(key) if rows is None or row in rows else None
-        numel = record.tensor.numel() if main is not None else 0
+        numel = record.tensor.numel() if main is not None and record.tensor is not None else 0
         offset = record.offset if main is not None else 0
         heads.append([_name_hash(record.global_name) if check.by_name else 0, offset, numel])
         held.append([check.by_name, weight is not None, main is not None, main is not None])
