@@ -10,6 +10,7 @@ that is read here, as plain data.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -146,8 +147,10 @@ def _inter_instance_group(ps: Any) -> ProcessGroup:
     get_group = getattr(ps, "get_inter_distributed_optimizer_instance_group", None)
     if get_group is None:
         return None
+    # 0.15+ take check_initialized; 0.14's asserts the group exists (one instance: it does not).
+    takes = "check_initialized" in inspect.signature(get_group).parameters
     try:
-        return get_group(check_initialized=False)
+        return get_group(check_initialized=False) if takes else get_group()
     except (AssertionError, AttributeError):
         return None
 
