@@ -129,16 +129,14 @@ class TorchCommunicator:
         # list and no stacking copy; viewed as [size, *shape].
         flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         mine = tensor.contiguous().view(-1)
-        # torch 2.13 names it all_gather_single (all_gather_into_tensor is its deprecated alias).
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        try:
-            gather(flat, mine, group=group)
-        except (RuntimeError, NotImplementedError):
-            if "gloo" not in str(dist.get_backend(group)):
-                raise
-            # An older gloo without it refuses before sending anything, on every rank alike:
-            # gather into views of the same buffer instead.
+        if tensor.device.type == "cpu":
+            # gloo (CPU tensors): into views of the same buffer. Its all_gather_into_tensor
+            # crashed a rank now and then (torch 2.13, a segfault in a later collective).
             dist.all_gather(list(flat.view(size, -1).unbind(0)), mine, group=group)
+        else:
+            # torch 2.13 names it all_gather_single (all_gather_into_tensor: its old alias).
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(flat, mine, group=group)
         return flat.view(size, *tensor.shape)
 
     def broadcast_object(self, obj: Any, src: int, group: ProcessGroup) -> Any:
