@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._errors import NormOptimError
 
 LOGGER = logging.getLogger("norm_optim.watch")
 """Where alarms are said (one line each, starting ``norm_optim watch:``)."""
@@ -397,9 +396,3 @@ def say(alarms: Sequence[Alarm]) -> None:
     default), and an alarm must not vanish there."""
     for alarm in alarms:
         LOGGER.error("%s", alarm)
-
-
-def require_watch(watch: Optional[Watch]) -> Watch:
-    if watch is None:
-        raise NormOptimError("this optimizer is not watched: call optimizer.watch() first")
-    return watch
