@@ -3,12 +3,14 @@
 :class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer: the adapter's
 :func:`~norm_optim._megatron.step_state.run_step` calls it back once the grads are ready
 (unscaled, before Megatron clips them in place) and when the step is taken (a skipped step never
-is). After the step, the weights, the updates (derived from the optimizer's state by each leaf's
-rule: :mod:`norm_optim._megatron.rules`) and the Adam moments are summed over the same slots,
-and the five vectors travel as one packet.
+is). The updates are read in the step as the difference it stores (torch's Adam / SGD run chunk by
+chunk, Muon's per-param hooks: :mod:`norm_optim._megatron.in_step`) or derived from the
+optimizer's state by each leaf's rule (:mod:`norm_optim._megatron.rules`); after the step, the
+weights and the Adam moments are summed over the same slots, and the five vectors travel as one
+packet.
 
-What is known before any step (which tensor each counted record is, its rule, the scratch
-layout of the derived updates) is a :class:`StepPlan`, built once per registry from its
+What is known before any step (which tensor each counted record is, its rule, the reader of
+each torch optimizer's updates and its scratch layout) is a :class:`StepPlan`, built once per registry from its
 descriptor and reused by every armed step. An unarmed step never reaches this module.
 """
 
@@ -24,9 +26,9 @@ import torch
 from ._comm import Done, Work
 from ._errors import NormOptimError, UnsupportedOptimizerError
 from ._kernels import SumOfSquaresPlan
-from ._kernels.chunks import ChunkedSquares
 from ._megatron.descriptor import clip_group_of, separate_clip_groups
-from ._megatron.rules import Stepped, UpdateRule
+from ._megatron.in_step import StepReader
+from ._megatron.rules import Stepped
 from ._megatron.step_state import run_step
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
 from ._watch import Watch
@@ -164,19 +166,21 @@ class StepPlan:
         self.names = [r.name for r in records]
         self._clip_groups(reducer, records)
         slots = reducer.counted_slots(per_param)
-        # Updates read during the step (Muon's) are summed there; the others derived after it.
-        self._in_step = [
-            (e, slots[i]) for i, e in enumerate(self.entries) if e is not None and e.rule.in_step
+        self.num_slots, self.device = reducer.num_slots(per_param), reducer.device
+        # One reader per (rule, torch optimizer): its counted tensors' updates, read in its
+        # step or derived right after it, into one slot vector of the step.
+        by_optimizer: dict[tuple[int, int], tuple[Any, list[Stepped], list[int]]] = {}
+        for i, e in enumerate(self.entries):
+            if e is not None:
+                key = (id(e.rule), id(e.optimizer))
+                found = by_optimizer.setdefault(key, (e.optimizer, [], []))
+                found[1].append(e)
+                found[2].append(slots[i])
+        self.readers: list[StepReader] = [
+            entries[0].rule.reader(optimizer, entries, own, self.num_slots, self.device)
+            for optimizer, entries, own in by_optimizer.values()
         ]
-        self._updated = [
-            i for i, e in enumerate(self.entries) if e is not None and not e.rule.in_step
-        ]
-        self.updates = ChunkedSquares(
-            [self.entries[i].held.numel() for i in self._updated],  # type: ignore[union-attr]
-            [slots[i] for i in self._updated],
-            reducer.num_slots(per_param),
-            reducer.device,
-        )
+        self._squares: Optional[torch.Tensor] = None
 
     def _clip_groups(self, reducer: NormReducer, records: Sequence[Any]) -> None:
         """The separately clipped groups some rank holds a param of (one small all-reduce, here
@@ -199,7 +203,7 @@ class StepPlan:
             [g for g, _ in kept],
             [s for _, s in kept],
             len(self.clip_groups),
-            out_device=self.updates.device,
+            out_device=self.device,
         )
         return plan()
 
@@ -216,13 +220,11 @@ class StepPlan:
 
     @contextlib.contextmanager
     def around_step(self) -> Iterator[None]:
-        """The step runs inside: each in-step rule reads its tensors' updates."""
-        by_rule: dict[int, tuple[UpdateRule, list[Stepped]]] = {}
-        for entry, _ in self._in_step:
-            by_rule.setdefault(id(entry.rule), (entry.rule, []))[1].append(entry)
+        """The step runs inside: the readers that read in the step do."""
+        self._squares = torch.zeros(self.num_slots, dtype=torch.float64, device=self.device)
         with contextlib.ExitStack() as stack:
-            for rule, entries in by_rule.values():
-                stack.enter_context(rule.around_step(entries))
+            for reader in self.readers:
+                stack.enter_context(reader.around_step(self._squares))
             yield
 
     def momentum(self) -> list[Optional[torch.Tensor]]:
@@ -237,28 +239,13 @@ class StepPlan:
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def add_update_squares(self, out: torch.Tensor) -> None:
-        """Add the derived updates' sums of squares into ``out`` (right after the step)."""
-
-        def produce(items: Sequence[int], places: Sequence[torch.Tensor]) -> list[float]:
-            factors = [0.0] * len(items)
-            by_rule: dict[int, tuple[UpdateRule, list[int]]] = {}
-            for k, item in enumerate(items):
-                entry = self.entries[self._updated[item]]
-                assert entry is not None
-                if entry.rule.stepped(entry):
-                    by_rule.setdefault(id(entry.rule), (entry.rule, []))[1].append(k)
-                else:  # not stepped (no grad): no update
-                    places[k].zero_()
-            for rule, ks in by_rule.values():
-                entries = [self.entries[self._updated[items[k]]] for k in ks]
-                views = [places[k].view(e.held.shape) for k, e in zip(ks, entries)]  # type: ignore[union-attr]
-                for k, f in zip(ks, rule.write_updates(entries, views)):  # type: ignore[arg-type]
-                    factors[k] = f
-            return factors
-
-        self.updates(produce, out)
-        for entry, slot in self._in_step:
-            out[slot] += entry.rule.update_squares(entry).to(out.device)
+        """Add the updates' sums of squares into ``out`` (right after a taken step): those
+        read in it, and those derived now."""
+        if self._squares is None:
+            raise NormOptimError("the step did not run inside the step plan's around_step()")
+        out += self._squares
+        for reader in self.readers:
+            reader.after_step(out)
 
 
 class StepMeasurement:
@@ -322,9 +309,10 @@ class StepMeasurement:
         return self.reducer.local_squares(grads, per_param=self.per_param)
 
     def _update_squares(self) -> torch.Tensor:
-        """Sums of squares of the derived updates (zero for a skipped step), a few list
-        operations per chunk of the plan's scratch (:class:`~norm_optim._kernels.chunks.
-        ChunkedSquares`): the scratch is all the update memory alive at once."""
+        """Sums of squares of the updates (zero for a skipped step): read in the step or
+        derived after it, a few list operations per chunk of one scratch of the byte budget
+        (:mod:`norm_optim._megatron.in_step`): the scratch is all the update memory alive at
+        once."""
         reducer, per_param = self.reducer, self.per_param
         squares = torch.zeros(
             reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device

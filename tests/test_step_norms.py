@@ -10,9 +10,12 @@ snapshots, each element counted once by the test's own rule (TP split by megatro
 DP rank 0 for whole replicas, every shard of the distributed optimizer): independent of the
 registry. The grads' total is also checked against the grad norm megatron's ``step()`` returns.
 
-The update is derived from the optimizer's post-step state (no copy of the weights), so it is
-compared with the stored difference within the bound the derivation documents: one ulp of each
-weight, summed in quadrature (``docs/step-norms.md``).
+torch's Adam / SGD updates are read in the step as the difference it stores, a chunk of the byte
+budget at a time: they match the snapshots to the fp32 rounding of that difference (≤ 2^-24 of
+each element). FusedAdam's updates, and Adam's where a step hook is registered (the fallback),
+are derived from the optimizer's post-step state (no copy of the weights), so they are compared
+with the stored difference within the bound the derivation documents: one ulp of each weight,
+summed in quadrature (``docs/step-norms.md``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ class Case:
     fused: str | None = None  # "apex" / "te": that FusedAdam's CPU stand-in
     decoupled: bool = True  # FusedAdam's adam_w_mode (megatron's decoupled_weight_decay)
     bias_correction: bool = True  # FusedAdam's param-group flag
+    hook: bool = False  # a step pre-hook on each torch optimizer: the update is derived
+    group_lrs: bool = False  # each param group its own lr
+
+    @property
+    def read_in_step(self) -> bool:
+        """Whether the update is read in the step (else derived after it)."""
+        return self.fused is None and not self.hook and not self.inf
 
 
 CASES = {
@@ -65,6 +75,12 @@ CASES = {
     "sgd-no-momentum-dp2": Case(Layout(2, SMALL), False, optimizer="sgd", momentum=0.0),
     "skipped-dp2": Case(Layout(2, SMALL), True, loss_scale=4.0, inf=True),
     "dp4-2instances": Case(Layout(4, SMALL, instances=2), True),
+    # The in-step read of Adam's update: a chunk of it spans param groups of different lr; with
+    # a step hook registered it falls back to the derivation (and the hook runs once).
+    "group-lrs-dp2-distopt": Case(Layout(2, SMALL), True, group_lrs=True),
+    "group-lrs-sgd-dp2-fp16opt": Case(Layout(2, SMALL), False, optimizer="sgd", group_lrs=True),
+    "hook-dp2-distopt": Case(Layout(2, SMALL), True, hook=True),
+    "hook-tp2-dp2-fp16opt": Case(Layout(4, SMALL, tp=2), False, hook=True),
     "tp2-pp2-tied-distopt": Case(Layout(4, SMALL, tp=2, pp=2), True),
     "pp2-vpp2-dp2-fp16opt": Case(Layout(4, DENSE, pp=2, vpp=2), False),
     # apex's / TE's FusedAdam (CPU stand-ins, tests/support/fused_adam_standin.py): adam_w_mode
@@ -125,6 +141,19 @@ def _build(case: Case) -> tuple[list, Any]:
 
 def _leaves(inner: Any) -> list[Any]:
     return list(getattr(inner, "chained_optimizers", [inner]))
+
+
+def _torch_optimizers(inner: Any) -> list[Any]:
+    return [leaf.optimizer for leaf in _leaves(inner) if getattr(leaf, "optimizer", None)]
+
+
+def _readers(optimizer: NormAwareOptimizer) -> list[Any]:
+    """The step plan's readers of torch Adam / SGD updates (per-param plan: the tests arm so)."""
+    from norm_optim._megatron.rules import UpdateReader
+    from norm_optim._step import StepPlan
+
+    plan = optimizer._current_reducer().step_plan(True, StepPlan)
+    return [r for r in plan.readers if isinstance(r, UpdateReader)]
 
 
 def _coords(param: torch.Tensor) -> tuple[int, int]:
@@ -243,15 +272,44 @@ def _measured_run(case: Case) -> dict:
     chunks, inner = _build(case)
     comm = CountingCommunicator()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=comm)
+    if case.group_lrs:
+        for torch_optimizer in _torch_optimizers(inner):
+            for k, group in enumerate(torch_optimizer.param_groups):
+                group["lr"] = 1e-2 / (k + 1)
     train_step(chunks, optimizer, seed=0)
     before = float(optimizer.param_l2_norm())
+    calls = [0] * len(_torch_optimizers(inner))
+    if case.hook:
+        for k, torch_optimizer in enumerate(_torch_optimizers(inner)):
+
+            def hook(opt: Any, args: Any, kwargs: Any, k: int = k) -> None:
+                calls[k] += 1
+
+            torch_optimizer.register_step_pre_hook(hook)
     optimizer.measure_next_step(per_param=True)
     probe = Probe(optimizer, inner, chunks, case.inf)
     reduces = comm.all_reduces
     ok, grad_norm, _ = train_step(chunks, probe, seed=1)
     s = optimizer.step_norms()
     reduces = comm.all_reduces - reduces
+    readers = _readers(optimizer)
+    groups_of_chunks = [
+        {id(r.entries[i].group) for i in chunk.items}
+        for r in readers
+        for chunk in r.differences.plan.chunks
+    ]
     out: dict[str, Any] = {
+        "read_in_step": [r.read_in_step for r in readers],
+        "hook_calls": calls,
+        "chunk_spans_groups": any(len(g) > 1 for g in groups_of_chunks),
+        "steps": sorted(
+            {
+                float(state["step"])
+                for torch_optimizer in _torch_optimizers(inner)
+                for state in torch_optimizer.state.values()
+                if "step" in state
+            }
+        ),
         "ok": ok,
         "all_reduces": reduces,
         "grad_norm": grad_norm,
@@ -297,11 +355,21 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
         pytest.skip("mtp_detach_heads (separately clipped MTP params) is megatron-core >= 0.19")
     results = run_ranks(_measured_run, case.layout.world, case)
     oracle = results[0]["oracle"]
+    assert case.fused is not None or any(r["read_in_step"] for r in results)
+    if case.group_lrs:
+        assert any(r["chunk_spans_groups"] for r in results), "a chunk must span param groups"
     for rank, got in enumerate(results):
         assert got["oracle"] == oracle
         assert got["skipped"] is case.inf and got["ok"] is not case.inf
         assert got["all_reduces"] == 1, "one all-reduce for every quantity of the step"
         assert got["has_moments"] is (case.optimizer == "adam")
+        if case.fused is None:  # (a rank that counts nothing reads nothing)
+            assert set(got["read_in_step"]) <= {case.read_in_step}, got["read_in_step"]
+        if case.optimizer == "adam" and case.fused is None:
+            # One plain step, then the armed one (skipped: not stepped): each param stepped once.
+            assert got["steps"] == [1.0 if case.inf else 2.0], got["steps"]
+        if case.hook:
+            assert all(n == 1 for n in got["hook_calls"]) and got["hook_calls"], got["hook_calls"]
         for q in QUANTITIES:
             if case.optimizer != "adam" and q.startswith("exp_avg"):
                 assert q not in got
@@ -312,6 +380,14 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
             total = math.sqrt(sum(v[i] for v in oracle.values()))
             if q == "grads" and case.inf:
                 assert not math.isfinite(got[q]["total"])
+                continue
+            if q == "updates" and case.read_in_step:
+                # Read in the step: the stored difference itself, to the fp32 rounding of the
+                # subtraction (2^-24 of each element) and of the row sums.
+                assert got[q]["total"] == pytest.approx(total, rel=REL, abs=1e-12), (rank, q)
+                for pname, v in oracle.items():
+                    own = UPDATE_ROUNDING * math.sqrt(v[2])
+                    assert abs(per_param[pname] - math.sqrt(v[2])) <= own + 1e-12, (rank, pname)
                 continue
             if q == "updates":
                 # The derived update vs the stored difference: within one ulp of each weight.

@@ -47,6 +47,10 @@ class Chunk:
     row_item: Tensor
     item_slot: Tensor
 
+    @property
+    def items(self) -> range:
+        return range(self.first, self.first + len(self.offsets))
+
 
 Producer = Callable[[Sequence[int], Sequence[Tensor]], Sequence[float]]
 """``producer(items, places)`` fills each ``places[k]`` (a flat fp32 view of the scratch sized
@@ -111,29 +115,42 @@ class ChunkedSquares:
         """The extra memory of one call: its scratch (the rows' norms are 1/:data:`ROW` of it)."""
         return self.scratch_numel * 4
 
+    def scratch(self) -> Tensor:
+        """A scratch buffer for one call (:attr:`scratch_bytes`; freed with its last view)."""
+        return torch.empty(self.scratch_numel, dtype=torch.float32, device=self.device)
+
+    def places(self, chunk: Chunk, scratch: Tensor) -> list[Tensor]:
+        """The flat views of ``scratch`` where ``chunk``'s items go, the tails of their last
+        rows zeroed."""
+        places = []
+        for item, offset in zip(chunk.items, chunk.offsets):
+            numel, size = self.numels[item], _aligned(self.numels[item])
+            if size > numel:  # the tail of its last row
+                scratch[offset + numel : offset + size].zero_()
+            places.append(scratch[offset : offset + numel])
+        return places
+
+    def add(self, chunk: Chunk, scratch: Tensor, factors: Sequence[float], out: Tensor) -> None:
+        """Add ``factor² · Σ place²`` of each of ``chunk``'s items into ``out[slot]`` (no
+        factors: all 1)."""
+        rows = scratch[: chunk.numel].view(-1, ROW)
+        squares = torch.linalg.vector_norm(rows, dim=1).double().square_()
+        per_item = torch.zeros(len(chunk.offsets), dtype=torch.float64, device=self.device)
+        per_item.index_add_(0, chunk.row_item, squares)
+        if any(f != 1.0 for f in factors):
+            scale = torch.tensor([f * f for f in factors], dtype=torch.float64)
+            per_item.mul_(scale.to(self.device, non_blocking=True))
+        out.index_add_(0, chunk.item_slot, per_item)
+
     def __call__(self, produce: Producer, out: Tensor) -> None:
         """Add every item's float64 sum of squares into ``out[slot]`` (``out``: float64, on
         ``device``). Items a producer leaves out must have their place zeroed by it."""
         if not self.chunks:
             return
-        scratch = torch.empty(self.scratch_numel, dtype=torch.float32, device=self.device)
+        scratch = self.scratch()
         for chunk in self.chunks:
-            items = range(chunk.first, chunk.first + len(chunk.offsets))
-            places = []
-            for item, offset in zip(items, chunk.offsets):
-                numel, size = self.numels[item], _aligned(self.numels[item])
-                if size > numel:  # the tail of its last row
-                    scratch[offset + numel : offset + size].zero_()
-                places.append(scratch[offset : offset + numel])
-            factors = produce(list(items), places)
-            rows = scratch[: chunk.numel].view(-1, ROW)
-            squares = torch.linalg.vector_norm(rows, dim=1).double().square_()
-            per_item = torch.zeros(len(chunk.offsets), dtype=torch.float64, device=self.device)
-            per_item.index_add_(0, chunk.row_item, squares)
-            if any(f != 1.0 for f in factors):
-                scale = torch.tensor([f * f for f in factors], dtype=torch.float64)
-                per_item.mul_(scale.to(self.device, non_blocking=True))
-            out.index_add_(0, chunk.item_slot, per_item)
+            factors = produce(list(chunk.items), self.places(chunk, scratch))
+            self.add(chunk, scratch, factors, out)
 
 
 def _aligned(numel: int) -> int:

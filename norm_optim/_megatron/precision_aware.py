@@ -43,7 +43,40 @@ import torch
 from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
 from .holdings import local, qualified_name
+from .step_state import instance_attributes
 from .rules import _FUSED_ADAM_FP32, TE_FUSED_ADAM, Refused, Stepped, UpdateRule, unread_flags
+
+
+class _BeforeStep:
+    """The reader of one precision-aware inner optimizer: its ``step`` is wrapped for the armed
+    step (an instance attribute, removed after) and each update derived just before it runs."""
+
+    def __init__(
+        self,
+        rule: "MasterAdamRule",
+        optimizer: Any,
+        entries: Sequence[Stepped],
+        slots: Sequence[int],
+    ) -> None:
+        self.rule, self.optimizer = rule, optimizer
+        self.entries = list(zip(entries, slots))
+
+    @contextlib.contextmanager
+    def around_step(self, out: torch.Tensor) -> Iterator[None]:
+        original = self.optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            for entry, slot in self.entries:
+                if entry.grad is not None and entry.state:
+                    out[slot] += self.rule._derived_squares(entry).to(out.device)
+            return original(*args, **kwargs)
+
+        with instance_attributes(self.optimizer, step=step):
+            yield
+
+    def after_step(self, out: torch.Tensor) -> None:
+        """Nothing: derived before the step (a skipped step derives none: zero)."""
+
 
 # The moments' dtypes the derivation reads as they are stored (no scale).
 READ_MOMENTS = (torch.float32, torch.bfloat16)
@@ -119,11 +152,9 @@ class MasterAdamRule(UpdateRule):
     name = "fused_adam_master"
     moments = ("exp_avg", "exp_avg_sq")
     hyper_parameters = ("lr", "betas", "eps", "weight_decay", "bias_correction", "step")
-    in_step = True
 
     def __init__(self, adam_w_mode: bool) -> None:
         self.mode = 1 if adam_w_mode else 0
-        self._squares: dict[int, torch.Tensor] = {}
 
     def check(self, entry: Stepped) -> Optional[str]:
         for key in self.moments:
@@ -132,42 +163,15 @@ class MasterAdamRule(UpdateRule):
                 return f"FusedAdam keeps its {key} as {value.dtype} (scaled): not read"
         return None
 
-    @contextlib.contextmanager
-    def around_step(self, entries: Sequence[Stepped]) -> Iterator[None]:
-        self._squares = {}
-        by_optimizer: dict[int, tuple[Any, list[Stepped]]] = {}
-        for entry in entries:
-            by_optimizer.setdefault(id(entry.optimizer), (entry.optimizer, []))[1].append(entry)
-        with contextlib.ExitStack() as stack:
-            for optimizer, own in by_optimizer.values():
-                stack.enter_context(self._before_step(optimizer, own))
-            yield
-
-    @contextlib.contextmanager
-    def _before_step(self, optimizer: Any, entries: list[Stepped]) -> Iterator[None]:
-        original = optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            for entry in entries:
-                if entry.grad is not None and entry.state:
-                    self._squares[id(entry.param)] = self._derived_squares(entry)
-            return original(*args, **kwargs)
-
-        had = "step" in vars(optimizer)
-        optimizer.step = step
-        try:
-            yield
-        finally:
-            if had:
-                optimizer.step = original
-            else:
-                del optimizer.step
-
-    def update_squares(self, entry: Stepped) -> torch.Tensor:
-        found = self._squares.get(id(entry.param))
-        if found is None:  # not stepped (no grad, or a skipped step)
-            return torch.zeros((), dtype=torch.float64, device=entry.held.device)
-        return found
+    def reader(
+        self,
+        optimizer: Any,
+        entries: Sequence[Stepped],
+        slots: Sequence[int],
+        num_slots: int,
+        device: torch.device,
+    ) -> "_BeforeStep":
+        return _BeforeStep(self, optimizer, entries, slots)
 
     def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
         raise NotImplementedError("FusedAdam's master-weight updates are derived before its step")

@@ -26,12 +26,14 @@ import math
 import struct
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, ContextManager, Hashable, Optional, Union
+from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
 from .holdings import local, qualified_name
+from .in_step import StepReader, StoredDifferences, step_name
 from .orthogonalized import MOMENTUM, InStepUpdates, unread_step
+from .step_state import instance_attributes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +92,22 @@ class UpdateRule(abc.ABC):
     hyper_parameters: tuple[str, ...] = ()
     momentum: Optional[str] = None
     """The state key of a momentum buffer reported as ``StepNorms.momentum`` (Muon's)."""
-    in_step: bool = False
-    """True: the update is read during the step (:meth:`around_step`, :meth:`update_squares`),
-    not derived after it by :meth:`write_updates`."""
+    reads_stored: bool = False
+    """True: the step is one torch's ``Adam`` / ``SGD`` runs over its param groups, and it is
+    run chunk by chunk to read the difference it stores (:class:`UpdateReader`); the update is
+    derived after it (:meth:`write_updates`) only where that read would change the step."""
 
-    def around_step(self, entries: Sequence[Stepped]) -> ContextManager[None]:
-        """The step runs inside (for an :attr:`in_step` rule: reads each entry's update)."""
-        return contextlib.nullcontext()
-
-    def update_squares(self, entry: Stepped) -> torch.Tensor:
-        """An :attr:`in_step` rule's float64 sum of squares of ``entry``'s update in the last
-        step (0-dim; zero for a tensor the step did not change)."""
-        raise NotImplementedError(f"the {self.name} rule derives its updates after the step")
+    def reader(
+        self,
+        optimizer: Any,
+        entries: Sequence[Stepped],
+        slots: Sequence[int],
+        num_slots: int,
+        device: torch.device,
+    ) -> StepReader:
+        """How the updates of ``entries`` (the counted tensors ``optimizer`` steps, with their
+        slots) are read at an armed step; built once per step plan."""
+        return UpdateReader(self, optimizer, entries, slots, num_slots, device)
 
     def check(self, entry: Stepped) -> Optional[str]:
         """Why this tensor's step cannot be read now (e.g. a moment's dtype), else None;
@@ -166,6 +172,7 @@ class AdamRule(UpdateRule):
     name = "adam"
     moments = ("exp_avg", "exp_avg_sq")
     hyper_parameters = ("lr", "betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay")
+    reads_stored = True
 
     def __init__(self, decoupled: Optional[bool] = None) -> None:
         self.decoupled = decoupled
@@ -260,6 +267,7 @@ class SGDRule(UpdateRule):
     name = "sgd"
     moments = ()
     hyper_parameters = ("lr", "momentum", "weight_decay", "maximize", "nesterov")
+    reads_stored = True
 
     def stepped(self, entry: Stepped) -> bool:
         # SGD without momentum keeps no state: a tensor with a grad was stepped.
@@ -396,38 +404,187 @@ class OrthogonalizedRule(UpdateRule):
     name = "orthogonalized"
     moments = ()
     momentum = MOMENTUM
-    in_step = True
     hyper_parameters = ("lr", "momentum", "weight_decay", "nesterov", "weight_decay_method")
 
-    def __init__(self) -> None:
-        self._readers: dict[int, InStepUpdates] = {}
-
-    def stepped(self, entry: Stepped) -> bool:
-        return id(entry.param) in self._reader(entry).squares
-
-    def _reader(self, entry: Stepped) -> InStepUpdates:
-        reader = self._readers.get(id(entry.optimizer))
-        if reader is None:
-            raise RuntimeError("the update of an orthogonalized optimizer is read in its step")
-        return reader
-
-    @contextlib.contextmanager
-    def around_step(self, entries: Sequence[Stepped]) -> Iterator[None]:
-        optimizers = {id(e.optimizer): e.optimizer for e in entries}
-        self._readers = {key: InStepUpdates(opt) for key, opt in optimizers.items()}
-        with contextlib.ExitStack() as stack:
-            for reader in self._readers.values():
-                stack.enter_context(reader.around_step())
-            yield
-
-    def update_squares(self, entry: Stepped) -> torch.Tensor:
-        found = self._reader(entry).squares.get(id(entry.param))
-        if found is None:  # not stepped (no grad, or a skipped step)
-            return torch.zeros((), dtype=torch.float64, device=entry.held.device)
-        return found
+    def reader(
+        self,
+        optimizer: Any,
+        entries: Sequence[Stepped],
+        slots: Sequence[int],
+        num_slots: int,
+        device: torch.device,
+    ) -> StepReader:
+        return InStepUpdates(optimizer, [e.param for e in entries], slots, num_slots, device)
 
     def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
         raise NotImplementedError("the orthogonalized optimizers' updates are read in-step")
+
+
+# torch's steps run chunk by chunk (``module.qualname``): each loops over ``self.param_groups``,
+# reads ``group["params"]`` and the group's hyper-parameters, and steps each param with a grad
+# once, with per-element arithmetic that does not depend on which other params are stepped with
+# it (read in torch 2.13 ``optim/adam.py`` / ``sgd.py``: ``_init_group`` collects the params
+# with a grad and creates their state; the single-tensor, foreach and fused functions advance
+# each param's ``state["step"]`` once and apply the same scalar-by-tensor operations to each
+# tensor; ``_default_to_fused_or_foreach`` picks the path from the tensors' type and device,
+# the same for any part of one optimizer whose tensors share them, which is checked;
+# ``capturable`` / ``differentiable`` change the scalars' form and the grad mode, per param).
+# ``AdamW.step`` is its own function before torch 2.6 (the same loop).
+_TORCH_STEPS_READ = frozenset(
+    ("torch.optim.adam.Adam.step", "torch.optim.adamw.AdamW.step", "torch.optim.sgd.SGD.step")
+)
+
+
+class UpdateReader:
+    """The updates of the counted tensors one torch optimizer steps: read in its step as the
+    difference it stores where the rule allows (:attr:`UpdateRule.reads_stored`) and nothing
+    else would change, else derived right after it by the rule (:meth:`UpdateRule.write_updates`).
+
+    Reading: for the armed step only, the optimizer instance gets a ``step`` attribute (removed
+    after) that runs its class's ``step`` chunk by chunk, the chunks of :class:`StoredDifferences`
+    (≤ the byte budget each; a larger tensor alone): the chunk's tensors are copied into their
+    places of the scratch (one list operation), every param group's ``"params"`` is narrowed
+    to the chunk's members (the group dicts stay: schedulers and hyper-parameters live in them;
+    the lists are put back in a ``finally``), the class's step runs, and the differences are
+    summed. The params this rank does not count are stepped last, together, unread. Each param
+    is stepped once; on CPU a chunk stays in cache from the copy to the subtraction.
+
+    Derived instead (the fallback; the same chunks and scratch), because reading would change the
+    step or what it is known to do:
+
+    - an optimizer step pre- or post-hook is registered (torch's global ones or the instance's):
+      running the step per chunk would run the hooks once per chunk, and a hook may change the
+      tensors (``HybridDeviceOptimizer`` copies its CPU params back in a post-hook);
+    - ``step()`` is given a closure (it would be re-evaluated per chunk);
+    - the class's step is not one read here (a subclass overriding it), or the instance already
+      has its own ``step`` attribute (e.g. wrapped by a torch LR scheduler);
+    - the optimizer's params differ in type or device (torch's choice of its foreach / fused
+      path could differ between a chunk and the whole), or a counted tensor is not an fp32
+      tensor on the plan's device.
+    """
+
+    def __init__(
+        self,
+        rule: UpdateRule,
+        optimizer: Any,
+        entries: Sequence[Stepped],
+        slots: Sequence[int],
+        num_slots: int,
+        device: torch.device,
+    ) -> None:
+        self.rule, self.optimizer, self.entries = rule, optimizer, list(entries)
+        self.differences = StoredDifferences(
+            optimizer, [local(e.param) for e in self.entries], slots, num_slots, device
+        )
+        self._unread = None if rule.reads_stored else "its rule derives the update"
+        if self._unread is None:
+            self._unread = self._unreadable(device)
+        self._read = False
+
+    def _unreadable(self, device: torch.device) -> Optional[str]:
+        name = step_name(self.optimizer)
+        if name not in _TORCH_STEPS_READ:
+            return f"its step() ({name}) is not one read chunk by chunk"
+        kinds = {(type(p), p.device.type) for g in self.optimizer.param_groups for p in g["params"]}
+        if len(kinds) > 1:
+            return f"its params differ in type or device ({sorted(map(str, kinds))})"
+        for entry in self.entries:
+            shard = local(entry.param)
+            if shard.dtype != torch.float32 or shard.device != device:
+                return "a counted tensor is not an fp32 tensor on the step plan's device"
+        return None
+
+    @property
+    def read_in_step(self) -> bool:
+        """Whether the last step's updates were read in it (False: derived after it)."""
+        return self._read
+
+    def unread_now(self, args: tuple, kwargs: dict) -> Optional[str]:
+        """Why this call of ``step()`` is not read chunk by chunk (None: it is)."""
+        if self._unread is not None:
+            return self._unread
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is not None or len(args) > 1 or set(kwargs) - {"closure"}:
+            return "step() was given a closure or other arguments"
+        import torch.optim.optimizer as optim
+
+        hooks = (
+            optim._global_optimizer_pre_hooks,
+            optim._global_optimizer_post_hooks,
+            getattr(self.optimizer, "_optimizer_step_pre_hooks", None),
+            getattr(self.optimizer, "_optimizer_step_post_hooks", None),
+        )
+        if any(hooks):
+            return "an optimizer step hook is registered"
+        return None
+
+    @contextlib.contextmanager
+    def around_step(self, out: torch.Tensor) -> Iterator[None]:
+        self._read = False
+        if self._unread is not None or "step" in vars(self.optimizer):
+            yield  # derived after the step (the instance's own step is not ours to split)
+            return
+        original = self.optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self.unread_now(args, kwargs) is not None:
+                return original(*args, **kwargs)
+            with self.differences.reading(out):
+                self._chunked_step()
+            self._read = True
+            return None  # torch's step returns the closure's loss: there is none
+
+        with instance_attributes(self.optimizer, step=step):
+            yield
+
+    def _chunked_step(self) -> None:
+        optimizer, plan = self.optimizer, self.differences.plan
+        step = type(optimizer).step
+        groups = optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        # Each param's batch: its chunk, or the last (not counted here), in group order.
+        batch_of = {
+            id(self.entries[i].param): c for c, chunk in enumerate(plan.chunks) for i in chunk.items
+        }
+        rest = len(plan.chunks)
+        batches: list[list[list[torch.Tensor]]] = [[[] for _ in groups] for _ in range(rest + 1)]
+        for g, params in enumerate(saved):
+            for p in params:
+                batches[batch_of.get(id(p), rest)][g].append(p)
+        try:
+            for c, batch in enumerate(batches):
+                chunk = plan.chunks[c] if c < rest else None
+                if chunk is None and not any(batch):
+                    break
+                for group, params in zip(groups, batch):
+                    group["params"] = params
+                self.differences.begin(c, chunk)
+                step(optimizer)
+                self.differences.end(c, chunk)
+        finally:
+            for group, params in zip(groups, saved):
+                group["params"] = params
+
+    def after_step(self, out: torch.Tensor) -> None:
+        if self._read or not self.entries:
+            return
+        entries, rule = self.entries, self.rule
+
+        def produce(items: Sequence[int], places: Sequence[torch.Tensor]) -> list[float]:
+            factors = [0.0] * len(items)
+            chosen = []
+            for k, item in enumerate(items):
+                if rule.stepped(entries[item]):
+                    chosen.append(k)
+                else:  # not stepped (no grad): no update
+                    places[k].zero_()
+            stepped = [entries[items[k]] for k in chosen]
+            views = [places[k].view(e.held.shape) for k, e in zip(chosen, stepped)]
+            for k, f in zip(chosen, rule.write_updates(stepped, views)):
+                factors[k] = f
+            return factors
+
+        self.differences.plan(produce, out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,14 +62,14 @@ def run_step(
         step_taken()
         return original_step(*a, **k)
 
-    with _instance_attributes(
+    with instance_attributes(
         optimizer, prepare_grads=prepare_grads, step_with_ready_grads=step_with_ready_grads
     ):
         return optimizer.step(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def _instance_attributes(target: Any, **values: Callable[..., Any]) -> Iterator[None]:
+def instance_attributes(target: Any, **values: Callable[..., Any]) -> Iterator[None]:
     """Set attributes on one instance for the ``with`` block, then remove them (or put back
     what the instance itself had): nothing of ours is left on the optimizer."""
     own = vars(target)
