@@ -134,7 +134,15 @@ def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
         "extra_aten_ops_per_tensor_per_param",
         "watched_step_s",
         "watched_over_plain",
+        "armed_per_param_over_plain",
+        "in_step_scratch_bytes",
+        "armed_minus_plain_peak_bytes",
     }
-    assert row["bytes_read_armed_step"] == 7 * row["bytes_read_param_l2_norm"]
+    # Weights, grads and both moments: Adam's update is read in its step, from cache.
+    assert row["bytes_read_armed_step"] == 4 * row["bytes_read_param_l2_norm"]
+    # The in-step read's scratch is within the bound, and counted in the extra peak.
+    assert 0 < row["in_step_scratch_bytes"] <= row["bound_bytes"]
+    if row["extra_peak_bytes"] is not None:
+        assert row["extra_peak_bytes"] >= row["in_step_scratch_bytes"]
     # Deterministic (counted, not timed): the ops an armed step adds per param tensor.
     assert 0 < row["extra_aten_ops_per_tensor"] <= 40
