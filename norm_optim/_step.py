@@ -28,7 +28,7 @@ from ._errors import NormOptimError, UnsupportedOptimizerError
 from ._kernels import SumOfSquaresPlan
 from ._megatron.descriptor import clip_group_of, separate_clip_groups
 from ._megatron.in_step import StepReader
-from ._megatron.rules import Stepped
+from ._megatron.rules import Counted, Stepped
 from ._megatron.step_state import run_step
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
 from ._watch import Watch
@@ -177,7 +177,7 @@ class StepPlan:
                 found[1].append(e)
                 found[2].append(slots[i])
         self.readers: list[StepReader] = [
-            entries[0].rule.reader(optimizer, entries, own, self.num_slots, self.device)
+            entries[0].rule.reader(optimizer, Counted(entries, own, self.num_slots, self.device))
             for optimizer, entries, own in by_optimizer.values()
         ]
         self._squares: Optional[torch.Tensor] = None

@@ -44,7 +44,15 @@ from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
 from .holdings import local, qualified_name
 from .step_state import instance_attributes
-from .rules import _FUSED_ADAM_FP32, TE_FUSED_ADAM, Refused, Stepped, UpdateRule, unread_flags
+from .rules import (
+    _FUSED_ADAM_FP32,
+    TE_FUSED_ADAM,
+    Counted,
+    Refused,
+    Stepped,
+    UpdateRule,
+    unread_flags,
+)
 
 
 class _BeforeStep:
@@ -163,15 +171,8 @@ class MasterAdamRule(UpdateRule):
                 return f"FusedAdam keeps its {key} as {value.dtype} (scaled): not read"
         return None
 
-    def reader(
-        self,
-        optimizer: Any,
-        entries: Sequence[Stepped],
-        slots: Sequence[int],
-        num_slots: int,
-        device: torch.device,
-    ) -> "_BeforeStep":
-        return _BeforeStep(self, optimizer, entries, slots)
+    def reader(self, optimizer: Any, counted: Counted) -> "_BeforeStep":
+        return _BeforeStep(self, optimizer, counted.entries, counted.slots)
 
     def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
         raise NotImplementedError("FusedAdam's master-weight updates are derived before its step")

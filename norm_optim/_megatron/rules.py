@@ -30,6 +30,7 @@ from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
+from .._errors import NormOptimError
 from .holdings import local, qualified_name
 from .in_step import StepReader, StoredDifferences, step_name
 from .orthogonalized import MOMENTUM, InStepUpdates, unread_step
@@ -71,6 +72,17 @@ class Stepped:
 
 
 @dataclasses.dataclass(frozen=True)
+class Counted:
+    """The tensors one torch optimizer steps that this rank counts, and where their sums of
+    squares go (``slots[i]`` of a vector of ``num_slots`` on ``device``)."""
+
+    entries: Sequence[Stepped]
+    slots: Sequence[int]
+    num_slots: int
+    device: torch.device
+
+
+@dataclasses.dataclass(frozen=True)
 class Refused:
     """No exact rule for this use of an optimizer: ``reason`` says why (shown to the user)."""
 
@@ -97,17 +109,10 @@ class UpdateRule(abc.ABC):
     run chunk by chunk to read the difference it stores (:class:`UpdateReader`); the update is
     derived after it (:meth:`write_updates`) only where that read would change the step."""
 
-    def reader(
-        self,
-        optimizer: Any,
-        entries: Sequence[Stepped],
-        slots: Sequence[int],
-        num_slots: int,
-        device: torch.device,
-    ) -> StepReader:
-        """How the updates of ``entries`` (the counted tensors ``optimizer`` steps, with their
-        slots) are read at an armed step; built once per step plan."""
-        return UpdateReader(self, optimizer, entries, slots, num_slots, device)
+    def reader(self, optimizer: Any, counted: Counted) -> StepReader:
+        """How the updates of the counted tensors ``optimizer`` steps are read at an armed step;
+        built once per step plan."""
+        return UpdateReader(self, optimizer, counted)
 
     def check(self, entry: Stepped) -> Optional[str]:
         """Why this tensor's step cannot be read now (e.g. a moment's dtype), else None;
@@ -406,15 +411,9 @@ class OrthogonalizedRule(UpdateRule):
     momentum = MOMENTUM
     hyper_parameters = ("lr", "momentum", "weight_decay", "nesterov", "weight_decay_method")
 
-    def reader(
-        self,
-        optimizer: Any,
-        entries: Sequence[Stepped],
-        slots: Sequence[int],
-        num_slots: int,
-        device: torch.device,
-    ) -> StepReader:
-        return InStepUpdates(optimizer, [e.param for e in entries], slots, num_slots, device)
+    def reader(self, optimizer: Any, counted: Counted) -> StepReader:
+        params = [e.param for e in counted.entries]
+        return InStepUpdates(optimizer, params, counted.slots, counted.num_slots, counted.device)
 
     def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
         raise NotImplementedError("the orthogonalized optimizers' updates are read in-step")
@@ -447,7 +446,9 @@ class UpdateReader:
     to the chunk's members (the group dicts stay: schedulers and hyper-parameters live in them;
     the lists are put back in a ``finally``), the class's step runs, and the differences are
     summed. The params this rank does not count are stepped last, together, unread. Each param
-    is stepped once; on CPU a chunk stays in cache from the copy to the subtraction.
+    is stepped once. On CPU a chunk of small tensors stays in cache from the copy to the
+    subtraction; a tensor larger than the cache costs the copy's and the subtraction's passes
+    over memory (still fewer than the derivation's: docs/step-norms.md, "Cost").
 
     Derived instead (the fallback; the same chunks and scratch), because reading would change the
     step or what it is known to do:
@@ -463,22 +464,15 @@ class UpdateReader:
       tensor on the plan's device.
     """
 
-    def __init__(
-        self,
-        rule: UpdateRule,
-        optimizer: Any,
-        entries: Sequence[Stepped],
-        slots: Sequence[int],
-        num_slots: int,
-        device: torch.device,
-    ) -> None:
-        self.rule, self.optimizer, self.entries = rule, optimizer, list(entries)
+    def __init__(self, rule: UpdateRule, optimizer: Any, counted: Counted) -> None:
+        self.rule, self.optimizer, self.entries = rule, optimizer, list(counted.entries)
+        tensors = [local(e.param) for e in self.entries]
         self.differences = StoredDifferences(
-            optimizer, [local(e.param) for e in self.entries], slots, num_slots, device
+            optimizer, tensors, counted.slots, counted.num_slots, counted.device
         )
         self._unread = None if rule.reads_stored else "its rule derives the update"
         if self._unread is None:
-            self._unread = self._unreadable(device)
+            self._unread = self._unreadable(counted.device)
         self._read = False
 
     def _unreadable(self, device: torch.device) -> Optional[str]:
@@ -529,6 +523,11 @@ class UpdateReader:
         def step(*args: Any, **kwargs: Any) -> Any:
             if self.unread_now(args, kwargs) is not None:
                 return original(*args, **kwargs)
+            if self._read:  # its sums are in ``out`` already: a second read would add twice
+                raise NormOptimError(
+                    f"{type(self.optimizer).__name__}.step() ran twice in one armed step: its "
+                    "update cannot be read in-step"
+                )
             with self.differences.reading(out):
                 self._chunked_step()
             self._read = True
