@@ -30,10 +30,21 @@ slots (when asked for) follow."""
 class NamedNorms(Mapping[str, torch.Tensor]):
     """Norms by name, backed by one vector (:attr:`vector`, in name order): a read costs one
     view, and a call builds no per-name objects (the name index is built once per reducer and
-    shared by every call)."""
+    shared by every call).
+
+    Args:
+        index: name -> position in ``vector``, iterated in name order; kept, not copied (share
+            one index between results).
+        vector: the norms, one per position of ``index``.
+    """
 
     def __init__(self, index: Mapping[str, int], vector: torch.Tensor) -> None:
         self._index, self.vector = index, vector
+
+    def with_vector(self, vector: torch.Tensor) -> NamedNorms:
+        """The same names (the same index, shared) over another vector of their positions: a
+        quantity derived from this one slot by slot, e.g. a ratio of two rollups."""
+        return NamedNorms(self._index, vector)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.vector[self._index[name]]
