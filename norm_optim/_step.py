@@ -106,7 +106,7 @@ class PendingStepNorms:
             if weights.per_layer is not None and updates.per_layer is not None:
                 w, u = weights.per_layer, updates.per_layer
                 assert isinstance(w, NamedNorms) and isinstance(u, NamedNorms)
-                ratio = NamedNorms(w._index, u.vector / w.vector)
+                ratio = w.with_vector(u.vector / w.vector)
             clip_groups = {}
             if k:
                 # main² = all² − Σ separate², in float64 (≥ 0 up to its rounding).
@@ -165,15 +165,13 @@ class StepPlan:
         self._clip_groups(reducer, records)
         slots = reducer.counted_slots(per_param)
         # Updates read during the step (Muon's) are summed there; the others derived after it.
-        self._in_step = [
-            (e, slots[i]) for i, e in enumerate(self.entries) if e is not None and e.rule.in_step
-        ]
-        self._updated = [
-            i for i, e in enumerate(self.entries) if e is not None and not e.rule.in_step
-        ]
+        stepped = [(e, slots[i]) for i, e in enumerate(self.entries) if e is not None]
+        self._in_step = [(e, slot) for e, slot in stepped if e.rule.in_step]
+        updated = [(e, slot) for e, slot in stepped if not e.rule.in_step]
+        self._updated = [e for e, _ in updated]  # the items of the update chunks
         self.updates = ChunkedSquares(
-            [self.entries[i].held.numel() for i in self._updated],  # type: ignore[union-attr]
-            [slots[i] for i in self._updated],
+            [e.held.numel() for e in self._updated],
+            [slot for _, slot in updated],
             reducer.num_slots(per_param),
             reducer.device,
         )
@@ -243,16 +241,15 @@ class StepPlan:
             factors = [0.0] * len(items)
             by_rule: dict[int, tuple[UpdateRule, list[int]]] = {}
             for k, item in enumerate(items):
-                entry = self.entries[self._updated[item]]
-                assert entry is not None
+                entry = self._updated[item]
                 if entry.rule.stepped(entry):
                     by_rule.setdefault(id(entry.rule), (entry.rule, []))[1].append(k)
                 else:  # not stepped (no grad): no update
                     places[k].zero_()
             for rule, ks in by_rule.values():
-                entries = [self.entries[self._updated[items[k]]] for k in ks]
-                views = [places[k].view(e.held.shape) for k, e in zip(ks, entries)]  # type: ignore[union-attr]
-                for k, f in zip(ks, rule.write_updates(entries, views)):  # type: ignore[arg-type]
+                entries = [self._updated[items[k]] for k in ks]
+                views = [places[k].view(e.held.shape) for k, e in zip(ks, entries)]
+                for k, f in zip(ks, rule.write_updates(entries, views)):
                     factors[k] = f
             return factors
 

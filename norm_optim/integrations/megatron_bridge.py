@@ -205,7 +205,7 @@ def _config_class() -> type[Any]:
         ) from exc
 
     @dataclasses.dataclass
-    class NormAwareOptimizerConfig(OptimizerConfig):  # type: ignore[misc, valid-type]
+    class NormAwareOptimizerConfig(OptimizerConfig):
         """Bridge's ``OptimizerConfig`` whose ``provide`` (which Bridge's ``setup_optimizer``
         calls) returns the optimizer wrapped in :class:`~norm_optim.NormAwareOptimizer`."""
 
