@@ -234,3 +234,40 @@ def test_the_testing_docstring_lists_every_public_module() -> None:
     assert modules, "no module found"
     missing = [m for m in sorted(modules) if f":mod:`~norm_optim.testing.{m}`" not in doc]
     assert missing == []
+
+
+def _is_alias(path: pathlib.Path) -> bool:
+    """A deprecated alias module: its only statement besides the docstring and the import is
+    a call of ``_moved.moved_module``."""
+    calls = [
+        node.func.id
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    return calls == ["moved_module"]
+
+
+def test_every_module_is_on_the_map() -> None:
+    """docs/architecture.md's module map names every module of the package (aliases aside),
+    and names none that is gone."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    map_section = text[text.index("## Every module") :]
+    modules = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if not _is_alias(path)
+    }
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", map_section, flags=re.M))
+    assert modules - listed == set(), "modules missing from docs/architecture.md's map"
+    assert listed - modules == set(), "docs/architecture.md's map lists modules that are gone"
+    aliases = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if _is_alias(p)}
+    assert {a for a in aliases if f"`{a}`" not in map_section} == set(), "aliases not named"
+
+
+def test_every_adapter_module_is_in_its_list() -> None:
+    """The adapter's docstring lists every module of ``norm_optim/_megatron``."""
+    import norm_optim._megatron as adapter
+
+    listed = set(re.findall(r":mod:`\.(\w+)`", adapter.__doc__ or ""))
+    modules = {p.stem for p in (PACKAGE / "_megatron").glob("*.py") if p.stem != "__init__"}
+    assert modules - listed == set()
