@@ -209,6 +209,7 @@ def test_both_integrations_export_the_same_shared_names() -> None:
         shared(megatron_lm)
         == shared(megatron_bridge)
         == {
+            "InstallOptions",
             "LoggedParamsNorm",
             "install",
             "log_reads_params_norm",
