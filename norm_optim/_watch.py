@@ -393,6 +393,8 @@ def _judged(row: list[float]) -> tuple[float, float, float, float]:
 def say(alarms: Sequence[Alarm]) -> None:
     """One line per alarm on :data:`LOGGER`, at ERROR: Megatron's loops set up logging with a
     filter that drops every WARNING record (Megatron-Bridge's ``logger.filter_warnings``, on by
-    default), and an alarm must not vanish there."""
+    default), and an alarm must not vanish there; with no logging set up at all, Python still
+    shows ERROR on stderr. Configure, redirect or silence it with ``logging`` (``norm_optim.watch``
+    or its parent ``norm_optim``); norm_optim adds no handler."""
     for alarm in alarms:
         LOGGER.error("%s", alarm)

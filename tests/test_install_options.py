@@ -1,5 +1,5 @@
-"""What both loop integrations' ``install()`` take (:class:`InstallOptions`, whole or by
-keyword).
+"""What both loop integrations' ``install()`` take (:class:`InstallOptions`, whole or by keyword),
+what they say and where (the ``norm_optim`` loggers, seen with ``caplog``).
 
 ``install()`` runs here on stand-ins of the loop modules it patches (functions with the
 signatures it checks): which options it was given and what it patches needs no loop to run.
@@ -8,15 +8,27 @@ tests/test_megatron_lm.py and tests/test_megatron_bridge.py run the real loops.
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
-from norm_optim import WatchConfig
+from norm_optim import AuditError, AuditReport, WatchConfig
+from norm_optim._findings import Finding, FindingKind
+from norm_optim._norm import ParamNorms
 from norm_optim.integrations import megatron_bridge, megatron_lm
-from norm_optim.integrations._common import InstallOptions
+from norm_optim.integrations._common import (
+    AuditSchedule,
+    CheckpointParity,
+    InstallOptions,
+)
+
+LOGGER = "norm_optim.integrations"
 
 
 def _module(name: str, **functions: Callable[..., Any]) -> types.ModuleType:
@@ -115,3 +127,89 @@ def test_a_bad_option_fails_before_anything_is_patched(
     with pytest.raises(error, match=match):
         module.install(**bad)
     assert dict(vars(patched)) == before
+
+
+# ---------------------------------------------------------------- what the integrations say
+
+
+class _Audited:
+    """An optimizer whose ``audit()`` returns the reports it is given, in turn."""
+
+    def __init__(self, *findings: tuple[Finding, ...]) -> None:
+        self._reports = [AuditReport(f, compared=(("dp", 1),)) for f in findings]
+
+    def audit(self) -> AuditReport:
+        return self._reports.pop(0)
+
+
+DRIFT = Finding("decoder.layers.0.mlp.linear_fc1.weight", FindingKind.MAIN_REPLICAS_DIFFER, (0, 1))
+
+
+def test_audit_findings_are_logged_at_error_not_printed(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schedule = AuditSchedule(1, "warn")
+    schedule.run(_Audited((DRIFT,)), 5, None, None)
+    (record,) = caplog.records
+    assert (record.name, record.levelno) == (LOGGER, logging.ERROR)
+    assert record.getMessage().startswith("norm_optim iteration 5: audit: 1 findings")
+    assert f"main-replicas-differ {DRIFT.param!r} on ranks [0, 1]" in record.getMessage()
+    assert capsys.readouterr() == ("", "")
+    caplog.clear()
+    schedule.run(_Audited(()), 6, None, None)  # clean: nothing said
+    assert caplog.records == []
+
+
+def test_audit_findings_are_silenced_and_raised_the_usual_way(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.CRITICAL, logger="norm_optim"):
+        AuditSchedule(1, "warn").run(_Audited((DRIFT,)), 5, None, None)
+    assert caplog.records == []
+    with pytest.raises(AuditError, match="main-replicas-differ"):
+        AuditSchedule(1, "raise").run(_Audited((DRIFT,)), 5, None, None)
+    assert caplog.records == []  # raised, not also logged
+
+
+class _Norms:
+    """An optimizer whose per-layer norms are ``layers`` (the total: their root sum of squares)."""
+
+    def __init__(self, layers: dict[str, float]) -> None:
+        self.layers = layers
+
+    def param_l2_norms(self, per_param: bool = False) -> ParamNorms:
+        values = {name: torch.tensor(v, dtype=torch.float64) for name, v in self.layers.items()}
+        total = torch.stack(list(values.values())).square().sum().sqrt()
+        return ParamNorms(total, total, torch.zeros(()), per_layer=values)
+
+
+def test_checkpoint_parity_says_a_match_at_info_and_a_difference_at_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.INFO, logger="norm_optim")
+    parity, optimizer = CheckpointParity("warn"), _Norms({"0": 3.0, "1": 4.0})
+    parity.loaded(optimizer, str(tmp_path), 2, None, None)
+    parity.saved(optimizer, str(tmp_path), 2)
+    parity.loaded(optimizer, str(tmp_path), 2, None, None)
+    saved = json.loads((tmp_path / "norm_optim_norms.json").read_text())
+    saved["per_layer"]["1"] *= 1.01
+    (tmp_path / "norm_optim_norms.json").write_text(json.dumps(saved))
+    parity.loaded(optimizer, str(tmp_path), 2, None, None)
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    head = "norm_optim: params norm at load (iteration 2): 5.000000"
+    assert said[:2] == [
+        (LOGGER, logging.INFO, f"{head} (no saved norms beside the checkpoint to compare with)"),
+        (LOGGER, logging.INFO, f"{head}; every layer equals the saved weights'"),
+    ]
+    assert said[2:] == [  # the file's total is as saved: one layer was edited
+        (
+            LOGGER,
+            logging.ERROR,
+            f"{head}; differs from the saved weights' in 1 layers: ['1'] (saved total 5.000000)",
+        )
+    ]
+    assert capsys.readouterr() == ("", "")
+    caplog.clear()
+    with pytest.raises(AuditError, match=r"in 1 layers: \['1'\]"):
+        CheckpointParity("raise").loaded(optimizer, str(tmp_path), 2, None, None)
+    assert caplog.records == []

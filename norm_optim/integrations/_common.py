@@ -1,8 +1,9 @@
 """What the loop integrations share: the skeleton of an installed integration
 (:class:`LoopIntegration`: the patched names, ``uninstall``, the deferred ``calc_params_l2_norm``
 and the ``training_log`` that reads the norm only where it is logged), the logged value and the
-scalars written next to the loops' own ``params-norm``, and the options both ``install()``
-take (:class:`InstallOptions`). Each loop's module holds only what differs: which names it patches, how its optimizer is built and wrapped, and
+scalars written next to the loops' own ``params-norm``, the options both ``install()`` take
+(:class:`InstallOptions`) and where they say what they find (:data:`LOGGER`). Each loop's module
+holds only what differs: which names it patches, how its optimizer is built and wrapped, and
 when its ``training_log`` prints or writes the norm."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -22,6 +24,13 @@ from .._step import StepNorms
 from .._patching import Patch, PatchSet
 from .._watch import LOSS, Alarm, WatchConfig, say
 from .._wrapper import NormAwareOptimizer
+
+LOGGER = logging.getLogger("norm_optim.integrations")
+"""Where the loop integrations say what they find, on one rank (global rank 0): an audit's
+findings and a checkpoint load's differing layers at ERROR (as the watch's alarms on
+``norm_optim.watch``: Megatron-Bridge drops every WARNING record by default, and Python shows
+ERROR without any logging set up), the norm at a load that matches at INFO. Both are children of
+``norm_optim``: configure, redirect or silence them there."""
 
 
 class LoggedParamsNorm(float):
@@ -106,22 +115,23 @@ class InstallOptions:
             (after any checkpoint load), after ``training_log``; write the number of findings
             as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
             default) never audits.
-        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
-            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
-            before the bad weights are saved.
+        audit_action: ``"warn"``: rank 0 logs the findings with their param names (logger
+            ``norm_optim.integrations``, ERROR); ``"raise"``: every rank raises
+            :class:`~norm_optim.AuditError`, stopping the run before the bad weights are saved.
         checkpoint_parity: write the saved weights' total and per-layer norms beside every
             checkpoint the loop saves (``norm_optim_norms.json``, one per-param norm read per
             save) and, after a load, log the loaded weights' norm once before the first step
-            (``params-norm/at-load`` and a line from rank 0) and name the layers whose norm
-            differs from what was saved (warned or raised as ``audit_action`` says). On by
-            default; a checkpoint saved without it just gets the at-load line.
+            (``params-norm/at-load`` and a line from rank 0, logger ``norm_optim.integrations``:
+            INFO when every layer matches, ERROR naming the layers whose norm differs from what
+            was saved, or raised, as ``audit_action`` says). On by default; a checkpoint saved
+            without it just gets the at-load line.
         watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
             True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
             config. Each iteration's grads (before clipping) in total, per layer and per param
             are judged against their rolling statistics (one all-reduce per step, no host sync
             of its own), and the loss where this rank has it; an alarm is a line
             ``norm_optim watch: iteration <N>: ...`` on the last rank (logger
-            ``norm_optim.watch``) naming the signal, the layer and the param, the scalar
+            ``norm_optim.watch``, ERROR) naming the signal, the layer and the param, the scalar
             ``watch/alarms``, and the next step measured per param (its step norms written).
             With ``skip``, a spiking step is not applied (a skipped iteration to the loop).
         wrapper_options: keyword arguments of :class:`~norm_optim.NormAwareOptimizer`
@@ -412,9 +422,9 @@ class AuditSchedule:
     Args:
         interval: audit every ``interval`` iterations, and at the first logged iteration after
             each setup (so after every checkpoint load); 0 never.
-        action: ``"warn"``: rank 0 prints the findings, the run goes on; ``"raise"``: every
-            rank raises :class:`~norm_optim.AuditError` (the report is the same everywhere), so
-            the run stops before the bad weights are saved.
+        action: ``"warn"``: rank 0 logs the findings (:data:`LOGGER`, ERROR), the run goes on;
+            ``"raise"``: every rank raises :class:`~norm_optim.AuditError` (the report is the
+            same everywhere), so the run stops before the bad weights are saved.
     """
 
     def __init__(self, interval: int, action: str) -> None:
@@ -443,7 +453,7 @@ class AuditSchedule:
             if self.action == "raise":
                 raise AuditError(message)
             if _global_rank() == 0:
-                print(f"norm_optim {message}", flush=True)
+                LOGGER.error("norm_optim %s", message)
         return report
 
 
@@ -465,8 +475,9 @@ class CheckpointParity:
     is one, and broadcasts its verdict, so every rank decides alike.
 
     Args:
-        action: ``"warn"`` (rank 0 prints the layers that differ) or ``"raise"`` (every rank
-            raises :class:`~norm_optim.AuditError`).
+        action: ``"warn"`` (rank 0 logs the layers that differ, :data:`LOGGER` at ERROR) or
+            ``"raise"`` (every rank raises :class:`~norm_optim.AuditError`). A load that matches
+            is logged at INFO.
         rel: the relative difference above which a layer's norm differs.
     """
 
@@ -550,7 +561,7 @@ class CheckpointParity:
         if differ and self.action == "raise":
             raise AuditError(line)
         if _global_rank() == 0:
-            print(line, flush=True)
+            LOGGER.log(logging.ERROR if differ else logging.INFO, "%s", line)
         return self.at_load
 
 
