@@ -222,11 +222,13 @@ class Watch:
         self._loss: Optional[RollingStats] = None
         self._ratios: Optional[RollingStats] = None
         self._ratio_names: tuple[str, ...] = ()
-        # Steps not polled yet: (summary, non-finite mask, skipped). Bounded: poll at least
-        # once per window, or the oldest are dropped (and counted).
+        # What is not polled yet is bounded, whatever the run's length: poll at least once per
+        # window, or the oldest steps are dropped. Steps: (summary, non-finite mask, skipped).
         self._pending: collections.deque = collections.deque(maxlen=config.window)
-        # Loss / ratio summaries: (summary, signal, step).
-        self._extra: list[tuple[torch.Tensor, str, int]] = []
+        # Loss / ratio summaries, at most one of each per step: (summary, signal, step).
+        self._extra: collections.deque[tuple[torch.Tensor, str, int]] = collections.deque(
+            maxlen=2 * config.window
+        )
         self.steps = 0
         """Watched steps so far (the iteration of an alarm when the caller names none)."""
         self.alarms_total = 0
@@ -332,9 +334,9 @@ class Watch:
             arm: after an alarm of the grads or the ratios, arm the next step per param (with
                 ``arm_after_alarm``); a loop integration arms it itself.
         """
-        pending, extra = list(self._pending), self._extra
+        pending, extra = list(self._pending), list(self._extra)
         self._pending.clear()
-        self._extra = []
+        self._extra.clear()
         if not pending and not extra:
             self.last_alarms = ()
             return ()

@@ -1,5 +1,6 @@
 """What both loop integrations' ``install()`` take (:class:`InstallOptions`, whole or by keyword),
-what they say and where (the ``norm_optim`` loggers, seen with ``caplog``).
+what they say and where (the ``norm_optim`` loggers, seen with ``caplog``), and the state they keep
+bounded over a run of any length.
 
 ``install()`` runs here on stand-ins of the loop modules it patches (functions with the
 signatures it checks): which options it was given and what it patches needs no loop to run.
@@ -21,8 +22,10 @@ import torch
 from norm_optim import AuditError, AuditReport, WatchConfig
 from norm_optim._findings import Finding, FindingKind
 from norm_optim._norm import ParamNorms
+from norm_optim._watch import Watch
 from norm_optim.integrations import megatron_bridge, megatron_lm
 from norm_optim.integrations._common import (
+    KEPT_REPORTS,
     AuditSchedule,
     CheckpointParity,
     InstallOptions,
@@ -213,3 +216,27 @@ def test_checkpoint_parity_says_a_match_at_info_and_a_difference_at_error(
     with pytest.raises(AuditError, match=r"in 1 layers: \['1'\]"):
         CheckpointParity("raise").loaded(optimizer, str(tmp_path), 2, None, None)
     assert caplog.records == []
+
+
+# ---------------------------------------------------------------- bounded state
+
+
+def test_audit_reports_keep_the_latest_only() -> None:
+    schedule = AuditSchedule(1, "warn")
+    runs = 3 * KEPT_REPORTS + 1
+    optimizer = _Audited(*[()] * runs)
+    for iteration in range(1, runs + 1):
+        schedule.run(optimizer, iteration, None, None)
+    assert list(schedule.reports) == [(i, 0) for i in range(runs - KEPT_REPORTS + 1, runs + 1)]
+    assert schedule.reports[-1] == (runs, 0) and schedule.audits == runs
+
+
+def test_unpolled_losses_are_bounded_by_the_window() -> None:
+    watch = Watch(WatchConfig(window=4, warmup=2), arm=lambda: None)
+    for _ in range(100):
+        watch.observe_loss(1.0)
+    assert len(watch._extra) == 2 * 4
+    watch.observe_loss(1e6)
+    (alarm,) = watch.poll()
+    assert alarm.signal == "loss" and alarm.value == 1e6
+    assert len(watch._extra) == 0

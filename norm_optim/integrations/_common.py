@@ -8,6 +8,7 @@ when its ``training_log`` prints or writes the norm."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -405,6 +406,8 @@ def loop_loss(loss_dict: Any) -> Optional[float]:
 AUDIT_TAG = "params-audit/findings"
 """The scalar written at each audit: the number of findings (0 when clean)."""
 AUDIT_ACTIONS = ("warn", "raise")
+KEPT_REPORTS = 16
+"""How many audits :attr:`AuditSchedule.reports` remembers (the latest)."""
 
 
 def check_audit_options(interval: Any, action: Any) -> None:
@@ -425,13 +428,20 @@ class AuditSchedule:
         action: ``"warn"``: rank 0 logs the findings (:data:`LOGGER`, ERROR), the run goes on;
             ``"raise"``: every rank raises :class:`~norm_optim.AuditError` (the report is the
             same everywhere), so the run stops before the bad weights are saved.
+
+    Attributes:
+        reports: ``(iteration, number of findings)`` of the latest :data:`KEPT_REPORTS` audits,
+            oldest first (a bounded deque: a long run keeps no more); ``reports[-1]`` is the
+            last audit's.
+        audits: how many audits ran in all.
     """
 
     def __init__(self, interval: int, action: str) -> None:
         check_audit_options(interval, action)
         self.interval, self.action = interval, action
         self._audited: Optional[Any] = None  # the optimizer audited last (a new setup resets)
-        self.reports: list[tuple[int, int]] = []  # (iteration, findings) of each audit
+        self.reports: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEPT_REPORTS)
+        self.audits = 0
 
     def due(self, optimizer: Any, iteration: int) -> bool:
         """The same answer on every rank (the audit is a collective)."""
@@ -444,6 +454,7 @@ class AuditSchedule:
         report: AuditReport = optimizer.audit()
         self._audited = optimizer
         self.reports.append((iteration, len(report.findings)))
+        self.audits += 1
         if tensorboard is not None:
             tensorboard.add_scalar(AUDIT_TAG, len(report.findings), iteration)
         if wandb is not None:
@@ -641,7 +652,7 @@ class LoopIntegration:
             before it, or when the loop builds none).
         model: the model chunks it was built with.
         options: the :class:`InstallOptions` it was installed with.
-        audit: its :class:`AuditSchedule` (``audit.reports``: each audit's findings).
+        audit: its :class:`AuditSchedule` (``audit.reports``: the latest audits' findings).
         parity: its :class:`CheckpointParity` (None without ``checkpoint_parity``).
     """
 
