@@ -128,6 +128,31 @@ def test_the_counting_table_has_one_text() -> None:
     assert "=========" not in source and "| replicated over" not in source
 
 
+def test_the_library_says_what_it_says_through_logging() -> None:
+    """No ``print`` in the library: users route, filter and silence its messages with
+    ``logging`` (the ``norm_optim`` loggers). Only ``python -m norm_optim.plot``'s command line
+    and the test kit print."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "testing" in path.relative_to(PACKAGE).parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        allowed: set[int] = set()
+        if path.name == "plot.py":
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name == "main":
+                    allowed |= {n.lineno for n in ast.walk(node) if hasattr(n, "lineno")}
+        found += [
+            f"{path.relative_to(ROOT)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "print"
+            and node.lineno not in allowed
+        ]
+    assert found == []
+
+
 def test_no_merge_conflict_marker_in_any_tracked_file() -> None:
     """The same check as ``make lint`` (.ci/no-conflict-markers), here too."""
     done = subprocess.run(
@@ -209,6 +234,7 @@ def test_both_integrations_export_the_same_shared_names() -> None:
         shared(megatron_lm)
         == shared(megatron_bridge)
         == {
+            "InstallOptions",
             "LoggedParamsNorm",
             "install",
             "log_reads_params_norm",
