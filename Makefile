@@ -19,11 +19,15 @@ STAMP  := $(VENV)/.norm_optim-installed
 # of the same release, which also runs on the CPU.
 TORCH  ?= torch==2.13.0
 
-# The newest megatron-core and a Python it supports: pyenv's newest 3.12, else python3.12.
+# The newest megatron-core and a Python it supports: pyenv's newest 3.12, else python3.12; on the
+# newest torch pip installs (the CUDA build, which runs on the CPU), so that this environment is
+# also the torch range's newest leg (below): one torch download fewer in CI.
 MCORE_LATEST  ?= megatron-core==0.19.2
+TORCH_LATEST  ?= torch==2.14.1
 PYTHON_LATEST ?= $(shell p=$$(pyenv prefix "$$(pyenv latest 3.12 2>/dev/null)" 2>/dev/null) \
                    && echo "$$p/bin/python" || command -v python3.12)
-LATEST := PYTHON="$(PYTHON_LATEST)" VENV=.venv-latest MCORE="$(MCORE_LATEST)"
+LATEST := PYTHON="$(PYTHON_LATEST)" VENV=.venv-latest MCORE="$(MCORE_LATEST)" \
+          TORCH="$(TORCH_LATEST)"
 # Megatron-Bridge's pretrain() tests get an environment of their own: Bridge needs an
 # nvidia-resiliency-ext the registry has only in a release (0.4.1) that breaks a plain
 # `import megatron.core`, so it must not go into .venv-latest. `pip install megatron-bridge` fails
@@ -56,21 +60,25 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_step_norms.py tests/test_step_norms_muon.py \
               tests/test_step_norms_precision_aware.py tests/test_watch.py
 
-# The torch range: setup.cfg's floor and the newest torch pip installs, each a CI leg of the tests
-# that read the optimizer's rule and state (TORCH_TESTS), in a copy of the environment of its
-# Python with torch swapped (the registry's build of these releases is a CUDA one, ~2.5 GB: one
-# download per leg, once). The floor: Python 3.11, megatron-core 0.14.0 (the oldest line); the
-# newest: Python 3.12, the newest megatron-core (.venv-latest's).
+# The torch range: setup.cfg's floor and the newest torch pip installs, each with the tests that
+# read the optimizer's rule and state (TORCH_TESTS). The floor: a copy of .venv (Python 3.11) with
+# megatron-core 0.14.0 (the oldest line) and torch swapped (the registry's build of that release
+# is a CUDA one, ~2.5 GB: one download, once). The newest: .venv-latest itself (TORCH_LATEST), so
+# CI's make test-latest runs these tests there with the rest of the suite.
 TORCH_FLOOR  ?= 2.5.1
-TORCH_NEWEST ?= 2.14.1
 TORCH_TESTS  ?= tests/test_step_norms.py tests/test_audit.py
-TORCH_LEGS   := floor newest
+TORCH_LEGS   := floor
 TORCH_floor  := $(TORCH_FLOOR)
-TORCH_newest := $(TORCH_NEWEST)
 BASE_floor   := .venv
-BASE_newest  := .venv-latest
 MCORE_floor  := megatron-core==0.14.0
-MCORE_newest :=
+
+# Tests that read no megatron-core release (pure kernels and names, the code's own rules and
+# types, the benchmark script): CI runs them once, in make test, and the other whole-suite legs
+# leave them out (make test-latest SKIP_ONCE=1, make test-main SKIP_ONCE=1).
+ONCE_TESTS   := tests/test_typing.py tests/test_benchmark.py tests/test_kernels.py \
+                tests/test_house.py tests/test_rollups.py
+SKIP_ONCE    ?=
+ONCE_IGNORED  = $(if $(SKIP_ONCE),$(ONCE_TESTS:%=--ignore=%))
 
 # megatron-core main (the 0.20 line, what users of a Megatron-LM checkout run), in a copy of
 # .venv-latest: by default the wheel of main next to the project (../shared/megatron-main/), or
@@ -93,7 +101,7 @@ define copy-env
 endef
 
 .PHONY: train test lint bench gpu-check setup train-latest test-latest bench-latest test-bridge
-.PHONY: $(LINES:%=test-%) test-main mcore-main $(TORCH_LEGS:%=test-torch-%)
+.PHONY: $(LINES:%=test-%) test-main mcore-main $(TORCH_LEGS:%=test-torch-%) test-torch-newest
 
 setup: $(STAMP)
 
@@ -108,7 +116,7 @@ train: $(STAMP)
 	$(BIN)/python examples/train_gpt.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q $(ONCE_IGNORED) $(ARGS)
 
 # ruff check: the lint rules; ruff format --check: the layout ruff format would give; no
 # tracked file may keep a merge-conflict marker line.
@@ -124,7 +132,7 @@ gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
 train-latest test-latest bench-latest:
-	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)'
+	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)' SKIP_ONCE='$(SKIP_ONCE)'
 
 $(BRIDGE_STAMP): setup.cfg pyproject.toml
 	$(call copy-env,.venv-latest,$(BRIDGE_VENV))
@@ -155,6 +163,10 @@ $(TORCH_LEGS:%=.venv-torch-%/.norm_optim-installed): .venv-torch-%/.norm_optim-i
 $(TORCH_LEGS:%=test-torch-%): test-torch-%: .venv-torch-%/.norm_optim-installed
 	.venv-torch-$*/bin/python -m pytest -q $(TORCH_TESTS) $(ARGS)
 
+test-torch-newest:
+	$(MAKE) setup $(LATEST)
+	.venv-latest/bin/python -m pytest -q $(TORCH_TESTS) $(ARGS)
+
 $(MAIN_STAMP): setup.cfg pyproject.toml
 	$(call copy-env,.venv-latest,$(MAIN_VENV))
 	touch $@
@@ -169,7 +181,7 @@ test-main:
 	  $(MAIN_VENV)/bin/python -m pip install -q --no-deps --force-reinstall "$(MCORE_MAIN)" \
 	    && echo "$(MCORE_MAIN)" > $(MAIN_FROM); \
 	fi
-	$(MAIN_VENV)/bin/python -m pytest -q $(ARGS)
+	$(MAIN_VENV)/bin/python -m pytest -q $(ONCE_IGNORED) $(ARGS)
 
 # What make test-main installs (empty: nothing found; .ci/run then skips it).
 mcore-main:

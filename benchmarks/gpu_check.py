@@ -40,13 +40,13 @@ Without CUDA it prints one line saying so (and what it would run) and exits 0. `
 runs the same code on CPU (gloo, small sizes) to check the script itself; its numbers mean
 nothing.
 
-The table is also written, as text and as JSON (rows and environment), to ``--out``: default
-``$OUT`` when that is set, else ``benchmarks/results/``.
+The table is also written, as text and as JSON (rows and environment), to the folder ``--out``
+names (default ``benchmarks/results/``).
 
-Running it on a lent GPU machine
---------------------------------
-The machine has Python 3.12 and torch (CUDA build), no megatron-core, no apex or Transformer
-Engine, and no network. The script needs no install of norm_optim: run from the repository root,
+Running it on a GPU machine without network access
+--------------------------------------------------
+Plan for the hardest case: Python 3.12 and torch (CUDA build), no megatron-core, no apex or
+Transformer Engine, and no package registry. The script needs no install of norm_optim: run from the repository root,
 ``python3 -m benchmarks.gpu_check`` imports the working tree. For the ``megatron`` rows, carry
 the megatron-core wheel (it needs only torch, numpy and packaging, which are there), e.g. 0.19.2
 (Python >= 3.12). Once, in the repository root of the machine you work on::
@@ -60,7 +60,7 @@ then run, on the GPU machine, with ``.whl`` carried along (one command, well und
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_check --out benchmarks/results
 
 (``make gpu-check`` builds the project's virtual environment first, which needs a package
 registry: on a machine without network call the module directly.) See ``docs/gpu-check.md``.
@@ -840,10 +840,8 @@ def run_environment(device: torch.device) -> dict[str, Any]:
 
 
 def default_out_dir() -> Path:
-    """``$OUT`` when set (the lent GPU machine's folder that comes back), else
-    ``benchmarks/results/``."""
-    out = os.environ.get("OUT")
-    return Path(out) if out else Path(__file__).resolve().parent / "results"
+    """``benchmarks/results/`` (next to this file): where the project keeps measured figures."""
+    return Path(__file__).resolve().parent / "results"
 
 
 def write_outputs(
@@ -910,7 +908,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="where the table goes (default: $OUT, else benchmarks/results/)",
+        help="the folder the table goes to (default: benchmarks/results/)",
     )
     return parser.parse_args(argv)
 

@@ -132,7 +132,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         "numel": numel,
         "tensors": len(counted),
         "largest_fp32_tensor_bytes": max(r.numel for r in counted) * 4,
-        # The bound: the largest fp32 tensor + the update scratch's byte budget.
+        # The bound on an armed step's extra memory: the largest fp32 tensor + the scratch budget.
         "bound_bytes": max(r.numel for r in counted) * 4 + default_budget(torch.device("cpu")),
         "plain_step_s": _median(plain),
         "watched_step_s": watched_s,

@@ -17,7 +17,7 @@ from ._errors import (
 )
 from ._norm import NamedNorms, ParamNorms, PendingNorms
 from ._ownership import RankCoords
-from ._registry import ParamRecord, ParamRegistry
+from ._registry import CountedRecord, ParamRecord, ParamRegistry
 from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
 from ._watch import Alarm, Watch, WatchConfig
@@ -29,6 +29,7 @@ __all__ = [
     "AuditError",
     "AuditReport",
     "Communicator",
+    "CountedRecord",
     "Finding",
     "FindingKind",
     "NamedNorms",

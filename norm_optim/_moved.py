@@ -1,6 +1,6 @@
 """Public modules and names that moved: importable for one more minor release, with a warning.
 
-Each old module is a two-line file at its old path that calls :func:`moved_module`; each old
+Each old module is a short file at its old path that calls :func:`moved_module`; each old
 name of a module that stays is served by that module's ``__getattr__`` from
 :func:`moved_names`. What moved where, and when the old names go, is in ``CHANGELOG.md``.
 """

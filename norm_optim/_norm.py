@@ -17,7 +17,7 @@ from ._errors import NormOptimError
 from ._kernels import SumOfSquaresPlan
 from ._name_exchange import exchange_names
 from ._megatron.naming import expert_of, layer_of, natural_key
-from ._registry import ParamRecord, ParamRegistry
+from ._registry import CountedRecord, ParamRecord, ParamRegistry
 from ._vocabulary import NotCounted
 
 T = TypeVar("T")
@@ -30,10 +30,21 @@ slots (when asked for) follow."""
 class NamedNorms(Mapping[str, torch.Tensor]):
     """Norms by name, backed by one vector (:attr:`vector`, in name order): a read costs one
     view, and a call builds no per-name objects (the name index is built once per reducer and
-    shared by every call)."""
+    shared by every call).
+
+    Args:
+        index: name -> position in ``vector``, iterated in name order; kept, not copied (share
+            one index between results).
+        vector: the norms, one per position of ``index``.
+    """
 
     def __init__(self, index: Mapping[str, int], vector: torch.Tensor) -> None:
         self._index, self.vector = index, vector
+
+    def with_vector(self, vector: torch.Tensor) -> NamedNorms:
+        """The same names (the same index, shared) over another vector of their positions: a
+        quantity derived from this one slot by slot, e.g. a ratio of two rollups."""
+        return NamedNorms(self._index, vector)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.vector[self._index[name]]
@@ -218,7 +229,7 @@ class NormReducer:
         if not registry.records:
             warnings.warn("norm_optim: the model has no params; its norm is 0", stacklevel=3)
         self._split_plan = SumOfSquaresPlan(
-            [r.tensor for r in counted],  # type: ignore[misc]
+            [r.tensor for r in counted],
             [EXPERT if r.expert else DENSE for r in counted],
             num_slots=2,
             out_device=self.device,
@@ -327,12 +338,12 @@ class NormReducer:
                 _Rollup.of(labels, expert_of, self.device),
             )
             slot = {name: EXPERT + 1 + i for name, i in index.items()}
-            counted = [(r, n) for r, n in zip(records, local) if r.counted]
+            counted = [(r, n) for r, n in zip(records, local) if isinstance(r, CountedRecord)]
             # The same records, in the same order, as registry.counted (named_records drops only
             # records that are never counted).
             self._per_param_slots = [slot[n] for _, n in counted]
             self._per_param_plan = SumOfSquaresPlan(
-                [r.tensor for r, _ in counted],  # type: ignore[misc]
+                [r.tensor for r, _ in counted],
                 self._per_param_slots,
                 num_slots=EXPERT + 1 + len(self.names),
                 out_device=self.device,

@@ -38,7 +38,8 @@ class ParamRecord:
             of the fp32 master), or None.
         source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.Source`).
         expert: whether it is an expert param (reduced with the expert layout).
-        counted: whether this rank adds ``tensor``'s squares to the global norm.
+        counted: whether this rank adds ``tensor``'s squares to the global norm (then the
+            record is a :class:`CountedRecord`, whose ``tensor`` is never None).
         reason: why it is not counted (:class:`~norm_optim.NotCounted`), or None.
         tp_split: whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies).
         split_from: where ``tp_split`` was taken from
@@ -87,6 +88,28 @@ class ParamRecord:
         )
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class CountedRecord(ParamRecord):
+    """A record this rank counts: ``counted`` is True, ``reason`` None, and it holds a ``tensor``.
+
+    :attr:`ParamRegistry.counted` lists these (they are in :attr:`ParamRegistry.records` too),
+    so code that sums them needs no check for a missing tensor.
+
+    Raises:
+        ValueError: built with no tensor, or not counted.
+    """
+
+    tensor: Summand
+
+    def __post_init__(self) -> None:
+        if self.tensor is None or not self.counted or self.reason is not None:
+            raise ValueError(
+                f"a CountedRecord is counted and holds a tensor; {self.name!r} has "
+                f"tensor={'None' if self.tensor is None else 'a tensor'}, "
+                f"counted={self.counted}, reason={self.reason}"
+            )
+
+
 class ParamRegistry:
     """Every model param of one optimizer (and model), and what this rank counts of each.
 
@@ -116,7 +139,9 @@ class ParamRegistry:
         self.records: list[ParamRecord] = [
             _record(held, count_frozen=count_frozen) for held in reading.params
         ]
-        self.counted: list[ParamRecord] = [r for r in self.records if r.counted]
+        self.counted: list[CountedRecord] = [
+            r for r in self.records if isinstance(r, CountedRecord)
+        ]
         self.chunks: Optional[list[torch.nn.Module]] = reading.chunks
         # One record per leaf optimizer (kind, holdings, rule, moments, copy groups): what step
         # norms and the audit read, built once with the registry.
@@ -172,7 +197,8 @@ class ParamRegistry:
 
 
 def _record(held: HeldParam, *, count_frozen: bool) -> ParamRecord:
-    """The counting rule applied to one param the adapter read."""
+    """The counting rule applied to one param the adapter read: a :class:`CountedRecord` when
+    this rank counts it."""
     holding, traits = held.holding, held.traits
     if holding.source.is_frozen and not count_frozen:  # whole frozen params or their shards
         reason: Optional[NotCounted] = NotCounted.FROZEN_EXCLUDED
@@ -181,7 +207,10 @@ def _record(held: HeldParam, *, count_frozen: bool) -> ParamRecord:
         reason = NotCounted.SHARED if traits.tied_copy else NotCounted.HELD_ELSEWHERE
     else:
         reason = why_not_counted(held.copies, held.coords)
-    return ParamRecord(
+    # A counted param always has a tensor (no tensor is a reason above): CountedRecord checks
+    # that when it is built, which mypy cannot follow through the merged branches.
+    kind: type[ParamRecord] = ParamRecord if reason is not None else CountedRecord
+    return kind(
         name=held.name,
         global_name=held.global_name,
         param=held.param,

@@ -108,7 +108,7 @@ class PendingStepNorms:
             if weights.per_layer is not None and updates.per_layer is not None:
                 w, u = weights.per_layer, updates.per_layer
                 assert isinstance(w, NamedNorms) and isinstance(u, NamedNorms)
-                ratio = NamedNorms(w._index, u.vector / w.vector)
+                ratio = w.with_vector(u.vector / w.vector)
             clip_groups = {}
             if k:
                 # main² = all² − Σ separate², in float64 (≥ 0 up to its rounding).

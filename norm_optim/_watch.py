@@ -222,11 +222,13 @@ class Watch:
         self._loss: Optional[RollingStats] = None
         self._ratios: Optional[RollingStats] = None
         self._ratio_names: tuple[str, ...] = ()
-        # Steps not polled yet: (summary, non-finite mask, skipped). Bounded: poll at least
-        # once per window, or the oldest are dropped (and counted).
+        # What is not polled yet is bounded, whatever the run's length: poll at least once per
+        # window, or the oldest steps are dropped. Steps: (summary, non-finite mask, skipped).
         self._pending: collections.deque = collections.deque(maxlen=config.window)
-        # Loss / ratio summaries: (summary, signal, step).
-        self._extra: list[tuple[torch.Tensor, str, int]] = []
+        # Loss / ratio summaries, at most one of each per step: (summary, signal, step).
+        self._extra: collections.deque[tuple[torch.Tensor, str, int]] = collections.deque(
+            maxlen=2 * config.window
+        )
         self.steps = 0
         """Watched steps so far (the iteration of an alarm when the caller names none)."""
         self.alarms_total = 0
@@ -332,9 +334,9 @@ class Watch:
             arm: after an alarm of the grads or the ratios, arm the next step per param (with
                 ``arm_after_alarm``); a loop integration arms it itself.
         """
-        pending, extra = list(self._pending), self._extra
+        pending, extra = list(self._pending), list(self._extra)
         self._pending.clear()
-        self._extra = []
+        self._extra.clear()
         if not pending and not extra:
             self.last_alarms = ()
             return ()
@@ -393,6 +395,8 @@ def _judged(row: list[float]) -> tuple[float, float, float, float]:
 def say(alarms: Sequence[Alarm]) -> None:
     """One line per alarm on :data:`LOGGER`, at ERROR: Megatron's loops set up logging with a
     filter that drops every WARNING record (Megatron-Bridge's ``logger.filter_warnings``, on by
-    default), and an alarm must not vanish there."""
+    default), and an alarm must not vanish there; with no logging set up at all, Python still
+    shows ERROR on stderr. Configure, redirect or silence it with ``logging`` (``norm_optim.watch``
+    or its parent ``norm_optim``); norm_optim adds no handler."""
     for alarm in alarms:
         LOGGER.error("%s", alarm)

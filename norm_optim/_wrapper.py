@@ -338,9 +338,12 @@ class NormAwareOptimizer:
     # an object of the wrapped class from the wrapper's fields, so both are refused below
     # (checkpoint the optimizer through ``state_dict()`` / ``sharded_state_dict()``, as megatron
     # does; its optimizers hold process groups and are not picklable either).
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
+    def _wrapped_class(self) -> type:
         return type(self._state.optimizer)
+
+    # Read-only, built with property() rather than the decorator, which mypy refuses over
+    # object's writable ``__class__``: no write reaches it (__setattr__ forwards them all).
+    __class__ = property(_wrapped_class)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

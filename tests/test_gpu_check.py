@@ -27,7 +27,9 @@ QUICK = gpu_check.Options(warmup=1, repeats=3)
 
 def test_imports_and_has_an_entry_point() -> None:
     assert callable(gpu_check.main)
-    assert "Running it on a lent GPU machine" in (gpu_check.__doc__ or "")
+    doc = gpu_check.__doc__ or ""
+    assert "Running it on a GPU machine without network access" in doc
+    assert gpu_check.default_out_dir() == ROOT / "benchmarks" / "results"
 
 
 def test_without_cuda_it_says_so_and_exits_0(

@@ -128,6 +128,31 @@ def test_the_counting_table_has_one_text() -> None:
     assert "=========" not in source and "| replicated over" not in source
 
 
+def test_the_library_says_what_it_says_through_logging() -> None:
+    """No ``print`` in the library: users route, filter and silence its messages with
+    ``logging`` (the ``norm_optim`` loggers). Only ``python -m norm_optim.plot``'s command line
+    and the test kit print."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "testing" in path.relative_to(PACKAGE).parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        allowed: set[int] = set()
+        if path.name == "plot.py":
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name == "main":
+                    allowed |= {n.lineno for n in ast.walk(node) if hasattr(n, "lineno")}
+        found += [
+            f"{path.relative_to(ROOT)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "print"
+            and node.lineno not in allowed
+        ]
+    assert found == []
+
+
 def test_no_merge_conflict_marker_in_any_tracked_file() -> None:
     """The same check as ``make lint`` (.ci/no-conflict-markers), here too."""
     done = subprocess.run(
@@ -209,6 +234,7 @@ def test_both_integrations_export_the_same_shared_names() -> None:
         shared(megatron_lm)
         == shared(megatron_bridge)
         == {
+            "InstallOptions",
             "LoggedParamsNorm",
             "install",
             "log_reads_params_norm",
@@ -234,3 +260,40 @@ def test_the_testing_docstring_lists_every_public_module() -> None:
     assert modules, "no module found"
     missing = [m for m in sorted(modules) if f":mod:`~norm_optim.testing.{m}`" not in doc]
     assert missing == []
+
+
+def _is_alias(path: pathlib.Path) -> bool:
+    """A deprecated alias module: its only statement besides the docstring and the import is
+    a call of ``_moved.moved_module``."""
+    calls = [
+        node.func.id
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    return calls == ["moved_module"]
+
+
+def test_every_module_is_on_the_map() -> None:
+    """docs/architecture.md's module map names every module of the package (aliases aside),
+    and names none that is gone."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    map_section = text[text.index("## Every module") :]
+    modules = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if not _is_alias(path)
+    }
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", map_section, flags=re.M))
+    assert modules - listed == set(), "modules missing from docs/architecture.md's map"
+    assert listed - modules == set(), "docs/architecture.md's map lists modules that are gone"
+    aliases = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if _is_alias(p)}
+    assert {a for a in aliases if f"`{a}`" not in map_section} == set(), "aliases not named"
+
+
+def test_every_adapter_module_is_in_its_list() -> None:
+    """The adapter's docstring lists every module of ``norm_optim/_megatron``."""
+    import norm_optim._megatron as adapter
+
+    listed = set(re.findall(r":mod:`\.(\w+)`", adapter.__doc__ or ""))
+    modules = {p.stem for p in (PACKAGE / "_megatron").glob("*.py") if p.stem != "__init__"}
+    assert modules - listed == set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import math
 import re
 from typing import Any
@@ -88,7 +89,12 @@ class CountingCommunicator(TorchCommunicator):
 
 
 def _run(
-    argv_options: dict, *, install: dict | None, fill: bool = True, megatron_reference: bool = False
+    argv_options: dict,
+    *,
+    install: dict | None,
+    fill: bool = True,
+    megatron_reference: bool = False,
+    fault: str | None = None,
 ) -> dict:
     """One rank of a ``pretrain`` run; returns what this rank saw.
 
@@ -96,11 +102,14 @@ def _run(
     ``setup_model_and_optimizer`` fill the weights deterministically and compute the oracle;
     record the ``params_norm`` the real ``training_log`` receives (and, with
     ``megatron_reference``, Megatron's own ``calc_params_l2_norm`` at that point, every rank).
+    With ``fault``, that param's fp32 main is nudged on rank 1 in the first ``training_log``
+    (before the integration's first audit).
     """
     from megatron.training import training
     from megatron.training.utils import calc_params_l2_norm
 
     from norm_optim.integrations import megatron_lm
+    from norm_optim.testing import inject_fault_
     from norm_optim.testing.megatron_lm import (
         RecordingSummaryWriter,
         pretrain_gpt,
@@ -152,6 +161,8 @@ def _run(
         seen["others"].append(comm.others)
         if megatron_reference:
             seen["reference"].append(calc_params_l2_norm(model_holder[-1]))
+        if fault is not None and iteration == 1:
+            inject_fault_(integrations[0].optimizer, fault, what="main", rank=1)
         return training_log(*args, **kwargs)
 
     writer = RecordingSummaryWriter()
@@ -160,10 +171,15 @@ def _run(
         Patch(training, "training_log", training_log_spy),
         *recording_tensorboard_patches(writer),
     ]
+    # What a user who wants norm_optim's INFO lines does (the test session's root logger is
+    # pytest's, at WARNING); this rank is a fresh process: nothing to restore.
+    logging.getLogger("norm_optim").setLevel(logging.INFO)
+    integrations: list = []
     with patches_applied(patches), contextlib.ExitStack() as stack:
         if install is not None:
-            stack.enter_context(megatron_lm.install(comm=comm, **install))
+            integrations.append(stack.enter_context(megatron_lm.install(comm=comm, **install)))
         result = pretrain_gpt(tiny_gpt_args(**argv_options))
+    seen["said"], seen["stdout"] = result.logged, result.stdout.splitlines()
     seen["printed"] = [
         float(m.group(1)) for line in result.log_lines for m in [_PRINTED.search(line)] if m
     ]
@@ -487,21 +503,55 @@ def test_save_and_resume(tmp_path: Any, resume: str) -> None:
         "--no-load-rng",
         *load_flags,
     ]
-    resumed = _last(
-        run_ranks(
-            _run,
-            2,
-            dict(options, lr=0.0, train_iters=4, extra=load),
-            install={},
-            fill=False,
-            timeout=TIMEOUT,
-        )
+    ranks = run_ranks(
+        _run,
+        2,
+        dict(options, lr=0.0, train_iters=4, extra=load),
+        install={},
+        fill=False,
+        timeout=TIMEOUT,
     )
+    resumed = _last(ranks)
     oracle = _last(first)["oracle"]
     assert [it for it, _ in resumed["logged"]] == [3, 4]
     for _, value in resumed["logged"]:
         assert value == pytest.approx(oracle, rel=REL)
     assert resumed["printed"] == [_printed(oracle)] * 2
+    # Checkpoint parity (on by default): rank 0 logs the loaded norm, at INFO: it matches.
+    (line,) = ranks[0]["said"]
+    head = "INFO norm_optim.integrations: norm_optim: params norm at load (iteration 2): "
+    assert line.startswith(head) and line.endswith("; every layer equals the saved weights'")
+    assert float(line[len(head) :].split(";")[0]) == pytest.approx(oracle, rel=REL, abs=1e-6)
+    assert resumed["said"] == []
+
+
+AUDITED = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+@needs_loop
+def test_audit_findings_are_logged_by_rank_0() -> None:
+    """``install(audit_interval=2)``: an fp32 main nudged on one Float16 replica (below bf16
+    resolution: training keeps it) is found at the first audit after setup and at iteration 2,
+    logged by rank 0 (``norm_optim.integrations``, ERROR) with its name, and counted in
+    ``params-audit/findings``; nothing is printed."""
+    options = dict(
+        use_distributed_optimizer=False,
+        lr=0.0,
+        train_iters=2,
+        extra=("--tensorboard-dir", "unused-by-the-recording-writer"),
+    )
+    first, last = run_ranks(
+        _run, 2, options, install=dict(audit_interval=2), fault=AUDITED, timeout=TIMEOUT
+    )
+    assert [said.split("; compared")[0] for said in first["said"]] == [
+        f"ERROR norm_optim.integrations: norm_optim iteration {it}: audit: 1 findings"
+        for it in (1, 2)
+    ]
+    assert all(f"main-replicas-differ {AUDITED!r} on ranks [0, 1]" in s for s in first["said"])
+    assert last["said"] == []  # rank 0 says it
+    assert not any("audit" in line for seen in (first, last) for line in seen["stdout"])
+    findings = {step: v for tag, v, step in last["scalars"] if tag == "params-audit/findings"}
+    assert findings == {1: 1.0, 2: 1.0}
 
 
 def _imports_megatron_training() -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,17 +59,19 @@ def _multi_tensor_l2norm(
         to their fp32 norms, shape ``[len(tensors)]``, with no host synchronization.
     """
     if device.type == "cuda":
-        applier = l2norm = None
+        # Optional packages, typed as Any (setup.cfg: mypy skips them, installed or not).
+        applier: Any = None
+        l2norm: Any = None
         backend = FusedBackend.TORCH
         try:
-            import amp_C  # type: ignore[import-not-found]
-            from apex.multi_tensor_apply import multi_tensor_applier  # type: ignore
+            import amp_C
+            from apex.multi_tensor_apply import multi_tensor_applier
 
             applier, l2norm = multi_tensor_applier, amp_C.multi_tensor_l2norm
             backend = FusedBackend.APEX
         except ImportError:
             try:
-                from transformer_engine.pytorch.optimizers import (  # type: ignore
+                from transformer_engine.pytorch.optimizers import (
                     multi_tensor_applier,
                     multi_tensor_l2norm,
                 )

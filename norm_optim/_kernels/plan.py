@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Union
+from typing import Union, cast
 
 import torch
 from torch import Tensor
@@ -39,6 +39,16 @@ def _group_key(t: Summand) -> _GroupKey:
         t.device.type == "cpu" and t.dtype != torch.float64
     )
     return t.device, t.dtype, RowNormGroup if row_norms else FusedGroup
+
+
+def _build_group(
+    key: _GroupKey, tensors: list[Summand], slots: list[int]
+) -> RowNormGroup | FusedGroup:
+    device, _, kind = key
+    if kind is FusedGroup:
+        # _group_key sends every RemainderMaster to row norms: a fused group's are all tensors.
+        return FusedGroup(cast(list[Tensor], tensors), slots, device)
+    return RowNormGroup(tensors, slots, device)
 
 
 class SumOfSquaresPlan:
@@ -100,7 +110,7 @@ class SumOfSquaresPlan:
                 bucket[0].append(t if isinstance(t, RemainderMaster) else t.detach())
                 bucket[1].append(slot)
         self._groups: dict[_GroupKey, RowNormGroup | FusedGroup] = {
-            key: key[2](group_tensors, group_slots, key[0])  # type: ignore[arg-type]
+            key: _build_group(key, group_tensors, group_slots)
             for key, (group_tensors, group_slots) in buckets.items()
         }
 

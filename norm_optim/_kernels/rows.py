@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -73,8 +74,8 @@ class _PackedBlock:
             The filled part of ``scratch`` as a ``(rows, ROW)`` view.
         """
         packed = scratch[: self.numel]
-        if not self.decodes:
-            torch.cat(self.pieces, out=packed)  # type: ignore[arg-type]  # one op for the block
+        if not self.decodes:  # every piece is a tensor: one op for the block
+            torch.cat(cast("tuple[Tensor, ...]", self.pieces), out=packed)
         else:
             for piece, out in zip(self.pieces, packed.split([p.numel() for p in self.pieces])):
                 if isinstance(piece, RemainderMaster):

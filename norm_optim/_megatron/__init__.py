@@ -10,6 +10,15 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   registry: holdings, step norms and the audit read it.
 - :mod:`.rules` — the update rules step norms derive, one class per optimizer class, and the
   table of builders by class (a new optimizer: one rule, one entry).
+- :mod:`.in_step` — updates read as the difference a step stored (``θ_after − θ_before``), a
+  chunk at a time in one scratch: torch's Adam / SGD run chunk by chunk, Muon's per-param hooks.
+- :mod:`.orthogonalized` — Muon and the emerging optimizers: their update read during the step
+  (``θ_after − θ_before`` per tensor, at the optimizer's own per-param hooks).
+- :mod:`.precision_aware` — Transformer Engine's ``FusedAdam`` with master weights (the
+  precision-aware optimizer): its update derived from what its step reads.
+- :mod:`.step_state` — :func:`run_step`: inside one ``step()``, when the grads are ready, the
+  watch's veto, and whether the step was applied (every release's ``prepare_grads`` /
+  ``step_with_ready_grads``).
 - :mod:`.optimizers` — what each optimizer kind holds for each model param: chained,
   distributed (incl. precision-aware and CPU offload), Float16, FP32, layer-wise, plain torch;
   kinds it cannot read are refused by class, with the version; it builds the descriptors.

@@ -44,7 +44,8 @@ class StepReader(Protocol):
 def step_name(optimizer: Any) -> str:
     """``module.qualname`` of the function an optimizer's class runs as ``step`` (under torch's
     hook wrapper and ``no_grad`` / ``_use_grad`` decorators, which keep ``__wrapped__``)."""
-    unwrapped = inspect.unwrap(getattr(type(optimizer), "step", None))  # type: ignore[arg-type]
+    step = getattr(type(optimizer), "step", None)
+    unwrapped = inspect.unwrap(step) if callable(step) else step
     return f"{getattr(unwrapped, '__module__', '?')}.{getattr(unwrapped, '__qualname__', '?')}"
 
 

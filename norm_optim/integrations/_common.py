@@ -1,14 +1,18 @@
 """What the loop integrations share: the skeleton of an installed integration
 (:class:`LoopIntegration`: the patched names, ``uninstall``, the deferred ``calc_params_l2_norm``
 and the ``training_log`` that reads the norm only where it is logged), the logged value and the
-scalars written next to the loops' own ``params-norm``. Each loop's module holds only what
-differs: which names it patches, how its optimizer is built and wrapped, and when its
-``training_log`` prints or writes the norm."""
+scalars written next to the loops' own ``params-norm``, the options both ``install()`` take
+(:class:`InstallOptions`) and where they say what they find (:data:`LOGGER`). Each loop's module
+holds only what differs: which names it patches, how its optimizer is built and wrapped, and
+when its ``training_log`` prints or writes the norm."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import inspect
+import logging
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -21,6 +25,13 @@ from .._step import StepNorms
 from .._patching import Patch, PatchSet
 from .._watch import LOSS, Alarm, WatchConfig, say
 from .._wrapper import NormAwareOptimizer
+
+LOGGER = logging.getLogger("norm_optim.integrations")
+"""Where the loop integrations say what they find, on one rank (global rank 0): an audit's
+findings and a checkpoint load's differing layers at ERROR (as the watch's alarms on
+``norm_optim.watch``: Megatron-Bridge drops every WARNING record by default, and Python shows
+ERROR without any logging set up), the norm at a load that matches at INFO. Both are children of
+``norm_optim``: configure, redirect or silence them there."""
 
 
 class LoggedParamsNorm(float):
@@ -73,6 +84,123 @@ def moved_loop_names(module: str) -> Callable[[str], Any]:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class InstallOptions:
+    """What a loop integration's ``install()`` does beyond serving the total params norm: the
+    same options for Megatron-LM's (:func:`norm_optim.integrations.megatron_lm.install`) and
+    Megatron-Bridge's (:func:`norm_optim.integrations.megatron_bridge.install`) loop.
+
+    ``install(InstallOptions(breakdown=True))`` and ``install(breakdown=True)`` are the same
+    call: ``install()`` takes these fields (and :class:`~norm_optim.NormAwareOptimizer`'s
+    keyword arguments) by name too, over the fields of the options it is given.
+
+    Attributes:
+        breakdown: also log the dense and expert norms: the log line reads
+            ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
+            / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
+        per_param: also write ``params-norm/param/<name>`` for every param (layout-independent
+            name), ``params-norm/layer/<global layer>`` and ``params-norm/expert/<layer>.<expert>``
+            (same single all-reduce; the names are exchanged once, at the first logged
+            iteration), and end the log line with the params whose norm grew fastest since the
+            previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
+        step_norms: also measure the optimizer step of every iteration whose log reads the
+            norms (:meth:`~norm_optim.NormAwareOptimizer.measure_next_step`; others cost
+            nothing) and write ``grads-norm`` (before clipping), ``updates-norm``,
+            ``exp-avg-norm``, ``exp-avg-sq-norm``; with ``per_param`` also
+            ``grads-norm/{param,layer,expert}/...``, the same for ``updates-norm``, and
+            ``update-to-weight/layer/<layer>``. The log line's grad norm is followed by the
+            update-to-weight ratio (``| update/weight: 1.2e-03 (largest: layer 3 2.1e-03) |``).
+            The loop's own ``grad-norm``, clipping and training are unchanged.
+        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
+            every ``audit_interval`` iterations and at the first iteration after each setup
+            (after any checkpoint load), after ``training_log``; write the number of findings
+            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
+            default) never audits.
+        audit_action: ``"warn"``: rank 0 logs the findings with their param names (logger
+            ``norm_optim.integrations``, ERROR); ``"raise"``: every rank raises
+            :class:`~norm_optim.AuditError`, stopping the run before the bad weights are saved.
+        checkpoint_parity: write the saved weights' total and per-layer norms beside every
+            checkpoint the loop saves (``norm_optim_norms.json``, one per-param norm read per
+            save) and, after a load, log the loaded weights' norm once before the first step
+            (``params-norm/at-load`` and a line from rank 0, logger ``norm_optim.integrations``:
+            INFO when every layer matches, ERROR naming the layers whose norm differs from what
+            was saved, or raised, as ``audit_action`` says). On by default; a checkpoint saved
+            without it just gets the at-load line.
+        watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
+            True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
+            config. Each iteration's grads (before clipping) in total, per layer and per param
+            are judged against their rolling statistics (one all-reduce per step, no host sync
+            of its own), and the loss where this rank has it; an alarm is a line
+            ``norm_optim watch: iteration <N>: ...`` on the last rank (logger
+            ``norm_optim.watch``, ERROR) naming the signal, the layer and the param, the scalar
+            ``watch/alarms``, and the next step measured per param (its step norms written).
+            With ``skip``, a spiking step is not applied (a skipped iteration to the loop).
+        wrapper_options: keyword arguments of :class:`~norm_optim.NormAwareOptimizer`
+            (``count_frozen``, ``pg_collection``, ``group``, ``comm``) for the optimizer each
+            setup builds.
+    """
+
+    breakdown: bool = False
+    per_param: bool = False
+    step_norms: bool = False
+    audit_interval: int = 0
+    audit_action: str = "warn"
+    checkpoint_parity: bool = True
+    watch: "bool | dict[str, Any] | WatchConfig | None" = False
+    wrapper_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Bad values fail here, before install() patches anything.
+        check_audit_options(self.audit_interval, self.audit_action)
+        WatchConfig.of(self.watch)
+        unknown = sorted(set(self.wrapper_options) - set(_WRAPPER_KEYWORDS))
+        if unknown:
+            raise TypeError(
+                f"install() got unknown options {unknown}: it takes "
+                f"{[f.name for f in dataclasses.fields(self)]} and NormAwareOptimizer's "
+                f"{list(_WRAPPER_KEYWORDS)}"
+            )
+        object.__setattr__(self, "wrapper_options", dict(self.wrapper_options))
+
+    @classmethod
+    def of(cls, options: Optional["InstallOptions"], kwargs: Mapping[str, Any]) -> "InstallOptions":
+        """What ``install(options, **kwargs)`` was given, as one value: ``options`` (default:
+        every default) with the fields that ``kwargs`` names replaced, and its other names added
+        to ``wrapper_options``."""
+        if options is None:
+            options = cls()
+        elif not isinstance(options, cls):
+            raise TypeError(f"options must be an InstallOptions, got {type(options).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        own = {k: v for k, v in kwargs.items() if k in fields}
+        wrapper = {k: v for k, v in kwargs.items() if k not in fields}
+        if wrapper:
+            own["wrapper_options"] = {
+                **own.get("wrapper_options", options.wrapper_options),
+                **wrapper,
+            }
+        return dataclasses.replace(options, **own) if own else options
+
+    @property
+    def watch_config(self) -> Optional[WatchConfig]:
+        """:attr:`watch` as a :class:`~norm_optim.WatchConfig` (None: no watch)."""
+        return WatchConfig.of(self.watch)
+
+    @property
+    def arms_steps(self) -> bool:
+        """Whether the loop's step function is patched: to arm steps (step norms, a watch's
+        aftermath)."""
+        return self.step_norms or self.watch_config is not None
+
+
+# NormAwareOptimizer's keyword arguments: what install() passes on to it.
+_WRAPPER_KEYWORDS = tuple(
+    name
+    for name, p in inspect.signature(NormAwareOptimizer.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
 class DeferredParamsNorm:
     """What a patched ``calc_params_l2_norm`` returns: nothing is computed until the loop's
     ``training_log`` knows, on every rank alike, that the value is read.
@@ -110,13 +238,21 @@ def scalars(norms: ParamNorms, breakdown: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     if breakdown:
         out[f"{TAG}-dense"], out[f"{TAG}-expert"] = float(norms.dense), float(norms.expert)
+    out.update(named_scalars(TAG, norms))
+    return out
+
+
+def named_scalars(tag: str, norms: ParamNorms) -> dict[str, float]:
+    """``<tag>/param/<name>``, ``<tag>/layer/<layer>`` and ``<tag>/expert/<layer>.<expert>`` of
+    the per-param, per-layer and per-expert norms that ``norms`` holds (none without them)."""
+    out: dict[str, float] = {}
     for kind, named in (
         ("param", norms.per_param),
         ("layer", norms.per_layer),
         ("expert", norms.per_expert),
     ):
         if named is not None:
-            out.update(zip((f"{TAG}/{kind}/{name}" for name in named), _values(named)))
+            out.update(zip((f"{tag}/{kind}/{name}" for name in named), _values(named)))
     return out
 
 
@@ -147,12 +283,6 @@ class ParamsNormLog:
         self.breakdown, self.per_param, self.top_k = breakdown, per_param, top_k
         self.step_norms, self.watch = step_norms, watch
         self._previous: Optional[ParamNorms] = None
-
-    @property
-    def arms_steps(self) -> bool:
-        """Whether the loop's step function is patched: to arm steps (step norms, a watch's
-        aftermath)."""
-        return self.step_norms or self.watch is not None
 
     @property
     def writes_scalars(self) -> bool:
@@ -221,13 +351,7 @@ def step_scalars(step: StepNorms, per_param: bool) -> dict[str, float]:
             for group, value in step.clip_groups.items():
                 out[tag if group == "main" else f"{tag}/{group}"] = float(value)
         if per_param and field in ("grads", "updates"):
-            for kind, named in (
-                ("param", norms.per_param),
-                ("layer", norms.per_layer),
-                ("expert", norms.per_expert),
-            ):
-                if named is not None:
-                    out.update(zip((f"{tag}/{kind}/{name}" for name in named), _values(named)))
+            out.update(named_scalars(tag, norms))
     if step.update_to_weight is not None:
         ratios = step.update_to_weight
         out.update(zip((f"{RATIO_TAG}/layer/{n}" for n in ratios), _values(ratios)))
@@ -282,6 +406,16 @@ def loop_loss(loss_dict: Any) -> Optional[float]:
 AUDIT_TAG = "params-audit/findings"
 """The scalar written at each audit: the number of findings (0 when clean)."""
 AUDIT_ACTIONS = ("warn", "raise")
+KEPT_REPORTS = 16
+"""How many audits :attr:`AuditSchedule.reports` remembers (the latest)."""
+
+
+def check_audit_options(interval: Any, action: Any) -> None:
+    """``audit_interval`` and ``audit_action``, checked (ValueError naming the bad one)."""
+    if not isinstance(interval, int) or interval < 0:
+        raise ValueError(f"audit_interval must be an int >= 0, got {interval!r}")
+    if action not in AUDIT_ACTIONS:
+        raise ValueError(f"audit_action must be one of {AUDIT_ACTIONS}, got {action!r}")
 
 
 class AuditSchedule:
@@ -291,19 +425,23 @@ class AuditSchedule:
     Args:
         interval: audit every ``interval`` iterations, and at the first logged iteration after
             each setup (so after every checkpoint load); 0 never.
-        action: ``"warn"``: rank 0 prints the findings, the run goes on; ``"raise"``: every
-            rank raises :class:`~norm_optim.AuditError` (the report is the same everywhere), so
-            the run stops before the bad weights are saved.
+        action: ``"warn"``: rank 0 logs the findings (:data:`LOGGER`, ERROR), the run goes on;
+            ``"raise"``: every rank raises :class:`~norm_optim.AuditError` (the report is the
+            same everywhere), so the run stops before the bad weights are saved.
+
+    Attributes:
+        reports: ``(iteration, number of findings)`` of the latest :data:`KEPT_REPORTS` audits,
+            oldest first (a bounded deque: a long run keeps no more); ``reports[-1]`` is the
+            last audit's.
+        audits: how many audits ran in all.
     """
 
     def __init__(self, interval: int, action: str) -> None:
-        if not isinstance(interval, int) or interval < 0:
-            raise ValueError(f"audit_interval must be an int >= 0, got {interval!r}")
-        if action not in AUDIT_ACTIONS:
-            raise ValueError(f"audit_action must be one of {AUDIT_ACTIONS}, got {action!r}")
+        check_audit_options(interval, action)
         self.interval, self.action = interval, action
         self._audited: Optional[Any] = None  # the optimizer audited last (a new setup resets)
-        self.reports: list[tuple[int, int]] = []  # (iteration, findings) of each audit
+        self.reports: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEPT_REPORTS)
+        self.audits = 0
 
     def due(self, optimizer: Any, iteration: int) -> bool:
         """The same answer on every rank (the audit is a collective)."""
@@ -316,6 +454,7 @@ class AuditSchedule:
         report: AuditReport = optimizer.audit()
         self._audited = optimizer
         self.reports.append((iteration, len(report.findings)))
+        self.audits += 1
         if tensorboard is not None:
             tensorboard.add_scalar(AUDIT_TAG, len(report.findings), iteration)
         if wandb is not None:
@@ -325,7 +464,7 @@ class AuditSchedule:
             if self.action == "raise":
                 raise AuditError(message)
             if _global_rank() == 0:
-                print(f"norm_optim {message}", flush=True)
+                LOGGER.error("norm_optim %s", message)
         return report
 
 
@@ -343,12 +482,13 @@ class CheckpointParity:
     At each save, every rank reads ``param_l2_norms(per_param=True)`` (one all-reduce) and
     rank 0 writes :data:`NORMS_FILE` in the checkpoint's directory. After a load, every rank
     reads the loaded weights' norms once, before the first step (a log line and the scalar
-    :data:`AT_LOAD_TAG`), and compares them per layer with the file, when there is one: every
-    rank reads it, so every rank decides alike.
+    :data:`AT_LOAD_TAG`), and global rank 0 compares them per layer with the file, when there
+    is one, and broadcasts its verdict, so every rank decides alike.
 
     Args:
-        action: ``"warn"`` (rank 0 prints the layers that differ) or ``"raise"`` (every rank
-            raises :class:`~norm_optim.AuditError`).
+        action: ``"warn"`` (rank 0 logs the layers that differ, :data:`LOGGER` at ERROR) or
+            ``"raise"`` (every rank raises :class:`~norm_optim.AuditError`). A load that matches
+            is logged at INFO.
         rel: the relative difference above which a layer's norm differs.
     """
 
@@ -432,7 +572,7 @@ class CheckpointParity:
         if differ and self.action == "raise":
             raise AuditError(line)
         if _global_rank() == 0:
-            print(line, flush=True)
+            LOGGER.log(logging.ERROR if differ else logging.INFO, "%s", line)
         return self.at_load
 
 
@@ -471,10 +611,31 @@ def installed_integration(module: ModuleType, name: str) -> Optional["LoopIntegr
     return getattr(getattr(module, name, None), _OWNER_ATTR, None)
 
 
+def refuse_second_install(module: ModuleType, names: Sequence[str], loop: str) -> None:
+    """RuntimeError where one of ``module``'s ``names`` is an installed integration's already."""
+    if any(installed_integration(module, name) is not None for name in names):
+        raise RuntimeError(
+            f"norm_optim's {loop} integration is already installed; call uninstall() on the "
+            "handle install() returned before installing again"
+        )
+
+
 def missing_parameters(label: str, function: Callable[..., Any], names: Sequence[str]) -> list[str]:
     """``label(name=...)`` for each of ``names`` that ``function`` does not take."""
     params = inspect.signature(function).parameters
     return [f"{label}({name}=...)" for name in names if name not in params]
+
+
+def missing_hooks(
+    prefix: str, module: ModuleType, names: Sequence[str], log_params: Sequence[str] = ()
+) -> list[str]:
+    """What a loop's ``module`` lacks of what an integration patches: ``<prefix><name>`` for
+    each of ``names`` it has no function of, else ``<prefix>training_log(<param>=...)`` for
+    each of ``log_params`` its ``training_log`` does not take."""
+    missing = [f"{prefix}{name}" for name in names if not callable(getattr(module, name, None))]
+    if not missing and log_params:
+        missing = missing_parameters(f"{prefix}training_log", module.training_log, log_params)
+    return missing
 
 
 class LoopIntegration:
@@ -490,6 +651,9 @@ class LoopIntegration:
         optimizer: the :class:`~norm_optim.NormAwareOptimizer` of the latest setup (``None``
             before it, or when the loop builds none).
         model: the model chunks it was built with.
+        options: the :class:`InstallOptions` it was installed with.
+        audit: its :class:`AuditSchedule` (``audit.reports``: the latest audits' findings).
+        parity: its :class:`CheckpointParity` (None without ``checkpoint_parity``).
     """
 
     #: The dotted name of the loop's ``calc_params_l2_norm`` (for the deferred value's errors).
@@ -501,21 +665,24 @@ class LoopIntegration:
         self,
         targets: Sequence[tuple[ModuleType, str]],
         training_log: Callable[..., Any],
-        log: ParamsNormLog,
-        wrapper_options: dict[str, Any],
-        audit: Optional[AuditSchedule] = None,
-        parity: Optional[CheckpointParity] = None,
+        options: InstallOptions,
     ) -> None:
         self._optimizer: Optional[NormAwareOptimizer] = None
         self.model: Optional[list[Any]] = None
-        self.audit = audit if audit is not None else AuditSchedule(0, "warn")
-        self.parity = parity
-        self._log = log
+        self.options = options
+        self.audit = AuditSchedule(options.audit_interval, options.audit_action)
+        self.parity = CheckpointParity(options.audit_action) if options.checkpoint_parity else None
+        self._log = ParamsNormLog(
+            options.breakdown,
+            options.per_param,
+            step_norms=options.step_norms,
+            watch=options.watch_config,
+        )
         self._armed_iteration: Optional[int] = None  # the iteration whose step is measured
         self._aftermath = False  # the next step is armed per param: the last one alarmed
         self._armed_aftermath = False  # the armed step is an alarm's aftermath
         self._first_step = True
-        self._wrapper_options = wrapper_options
+        self._wrapper_options = dict(options.wrapper_options)
         self._log_signature = inspect.signature(training_log)
         self._originals = {name: getattr(module, name) for module, name in targets}
         self._patches = PatchSet.apply(
@@ -649,7 +816,32 @@ class LoopIntegration:
             write_scalars({WATCH_TAG: float(len(alarms))}, *writers)
         return alarms
 
+    # ------------------------------------------------------------ checkpoint parity
+
+    def _after_save(self, root: Optional[str], iteration: int, kwargs: Mapping[str, Any]) -> None:
+        """After the loop saved iteration ``iteration``'s checkpoint under ``root`` (its save
+        function's keyword arguments ``kwargs``), on every rank: the saved weights' norms beside
+        a persistent checkpoint."""
+        persistent = not kwargs.get("non_persistent_ckpt", False)
+        if self.parity is not None and self.optimizer is not None and root and persistent:
+            directory = self._checkpoint_directory(root, iteration)
+            self.parity.saved(self.optimizer, directory, iteration)
+
+    def _after_load(
+        self, root: Optional[str], iteration: int, writers: Callable[[], tuple[Any, Any]]
+    ) -> None:
+        """Before the first step of a run that loaded iteration ``iteration`` from ``root``, on
+        every rank (a collective): the loaded weights' norm, compared with the saved one, and
+        written to ``writers()`` (TensorBoard, W&B; asked for only then)."""
+        if self.parity is not None and self.optimizer is not None and root and iteration:
+            directory = self._checkpoint_directory(root, iteration)
+            self.parity.loaded(self.optimizer, directory, iteration, *writers())
+
     # ------------------------------------------------------------ what each loop says
+
+    def _checkpoint_directory(self, root: str, iteration: int) -> str:
+        """The directory the loop saves iteration ``iteration``'s checkpoint in, under ``root``."""
+        raise NotImplementedError
 
     def _log_iteration(self, arguments: Mapping[str, Any]) -> Optional[int]:
         """The iteration this ``training_log`` call logs."""

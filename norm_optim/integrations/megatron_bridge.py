@@ -51,22 +51,14 @@ from typing import Any, Mapping, Optional
 
 from .._errors import NormOptimError
 from .._versions import distribution_version
-from .._watch import WatchConfig
 from .._wrapper import NormAwareOptimizer
-from ._common import (
-    AuditSchedule,
-    CheckpointParity,
-    LoggedParamsNorm,
-    LoopIntegration,
-    ParamsNormLog,
-    moved_loop_names,
-    installed_integration,
-    missing_parameters,
-)
+from ._common import InstallOptions, LoggedParamsNorm, LoopIntegration, missing_hooks
+from ._common import moved_loop_names, refuse_second_install
 
 __all__ = [
     "MegatronBridgeIntegration",
     "MegatronBridgeVersionError",
+    "InstallOptions",
     "LoggedParamsNorm",
     "NormAwareOptimizerConfig",
     "install",
@@ -108,31 +100,18 @@ def _bridge_modules() -> tuple[ModuleType, ModuleType]:
     return setup, train
 
 
-def _checkpoint_directory(root: str, iteration: int) -> str:
-    """The directory Bridge saves iteration ``iteration``'s checkpoint in."""
-    from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
-
-    return str(get_checkpoint_name(root, iteration))
-
-
-def _check_hooks(setup: ModuleType, train: ModuleType) -> None:
+def _check_hooks(setup: ModuleType, train: ModuleType, options: InstallOptions) -> None:
     """Bridge's loop has the names :func:`install` replaces, with the parameters it reads."""
-    missing = [
-        f"setup.{name}" for name in ("setup_optimizer",) if not callable(getattr(setup, name, None))
-    ]
-    missing += [
-        f"train.{name}"
-        for name in ("calc_params_l2_norm", "training_log")
-        if not callable(getattr(train, name, None))
-    ]
-    if not missing:
-        missing = missing_parameters("train.training_log", train.training_log, _TRAINING_LOG_PARAMS)
+    steps = ("train_step",) if options.arms_steps else ()  # step_norms and watch arm it
+    missing = missing_hooks("setup.", setup, ("setup_optimizer",)) + missing_hooks(
+        "train.", train, ("calc_params_l2_norm", "training_log", *steps), _TRAINING_LOG_PARAMS
+    )
     if missing:
         raise MegatronBridgeVersionError(
             f"megatron.bridge.training of {_versions()} has no {', '.join(missing)}; norm_optim's "
-            f"Megatron-Bridge integration knows the loop of megatron-bridge 0.6. Use "
-            f"norm_aware_optimizer_config(cfg.optimizer) in your recipe and log "
-            f"ctx.optimizer.param_l2_norm() on every rank from a callback instead."
+            "Megatron-Bridge integration knows the loop of megatron-bridge 0.6. Use norm_aware_"
+            "optimizer_config(cfg.optimizer) in your recipe and log ctx.optimizer.param_l2_norm() "
+            "on every rank from a callback instead."
         )
 
 
@@ -205,7 +184,7 @@ def _config_class() -> type[Any]:
         ) from exc
 
     @dataclasses.dataclass
-    class NormAwareOptimizerConfig(OptimizerConfig):  # type: ignore[misc, valid-type]
+    class NormAwareOptimizerConfig(OptimizerConfig):
         """Bridge's ``OptimizerConfig`` whose ``provide`` (which Bridge's ``setup_optimizer``
         calls) returns the optimizer wrapped in :class:`~norm_optim.NormAwareOptimizer`."""
 
@@ -234,11 +213,6 @@ def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:
     Args:
         config: the optimizer config; every attribute is copied as it is (finalized or not:
             ``pretrain`` finalizes the copy as it would the original).
-        step_norms: also measure the optimizer step of every iteration whose log reads the
-            norms and write ``grads-norm`` (before clipping), ``updates-norm``, ``exp-avg-norm``,
-            ``exp-avg-sq-norm`` (with ``per_param`` also their per-param / per-layer /
-            per-expert scalars and ``update-to-weight/layer/<layer>``), as
-            :func:`norm_optim.integrations.megatron_lm.install` does.
         wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
             ``group``, ``comm``).
     """
@@ -280,28 +254,20 @@ class MegatronBridgeIntegration(LoopIntegration):
     calc_params_l2_norm_path = "megatron.bridge.training.train.calc_params_l2_norm"
     setup_name = "setup_optimizer"
 
-    def __init__(
-        self,
-        setup: ModuleType,
-        train: ModuleType,
-        log: ParamsNormLog,
-        wrapper_options: dict[str, Any],
-        audit: Optional[AuditSchedule] = None,
-        parity: Optional[CheckpointParity] = None,
-    ) -> None:
+    def __init__(self, setup: ModuleType, train: ModuleType, options: InstallOptions) -> None:
         targets = [
             (setup, "setup_optimizer"),
             (train, "calc_params_l2_norm"),
             (train, "training_log"),
         ]
-        if log.arms_steps:
+        if options.arms_steps:
             targets.append((train, "train_step"))
-        if parity is not None:
+        if options.checkpoint_parity:
             # pretrain() imported train() by name; save_checkpoint_and_time is train's own.
             from megatron.bridge.training import pretrain
 
             targets += [(pretrain, "train"), (train, "save_checkpoint_and_time")]
-        super().__init__(targets, train.training_log, log, wrapper_options, audit, parity)
+        super().__init__(targets, train.training_log, options)
         self._train_step_signature = inspect.signature(train.train_step)
 
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -341,25 +307,22 @@ class MegatronBridgeIntegration(LoopIntegration):
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         # Before the first step of a run that loaded a checkpoint: the loaded weights' norm.
         original = self._originals["train"]
-        state = inspect.signature(original).bind(*args, **kwargs).arguments["global_state"]
-        step, load = state.train_state.step, state.cfg.checkpoint.load
-        if self.parity is not None and self.optimizer is not None and load and step:
-            self.parity.loaded(
-                self.optimizer,
-                _checkpoint_directory(load, step),
-                step,
-                state.tensorboard_logger,
-                state.wandb_logger,
-            )
+        arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+        state = arguments["global_state"]
+        self._after_load(
+            state.cfg.checkpoint.load, state.train_state.step, lambda: self._writers(arguments)
+        )
         return original(*args, **kwargs)
 
     def _save_checkpoint_and_time(self, state: Any, *args: Any, **kwargs: Any) -> Any:
         result = self._originals["save_checkpoint_and_time"](state, *args, **kwargs)
-        save, step = state.cfg.checkpoint.save, state.train_state.step
-        persistent = not kwargs.get("non_persistent_ckpt", False)
-        if self.parity is not None and self.optimizer is not None and save and persistent:
-            self.parity.saved(self.optimizer, _checkpoint_directory(save, step), step)
+        self._after_save(state.cfg.checkpoint.save, state.train_state.step, kwargs)
         return result
+
+    def _checkpoint_directory(self, root: str, iteration: int) -> str:
+        from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name
+
+        return str(get_checkpoint_name(root, iteration))
 
     def _iteration(self, arguments: Mapping[str, Any]) -> int:
         return int(arguments["global_state"].train_state.step)
@@ -377,86 +340,31 @@ class MegatronBridgeIntegration(LoopIntegration):
         return iteration, state.tensorboard_logger, state.wandb_logger
 
 
-def install(
-    *,
-    breakdown: bool = False,
-    per_param: bool = False,
-    step_norms: bool = False,
-    audit_interval: int = 0,
-    audit_action: str = "warn",
-    checkpoint_parity: bool = True,
-    watch: "bool | dict[str, Any] | WatchConfig" = False,
-    **wrapper_options: Any,
-) -> MegatronBridgeIntegration:
-    """Make Megatron-Bridge's training loop serve ``log_params_norm`` from norm_optim.
+def install(options: Optional[InstallOptions] = None, **kwargs: Any) -> MegatronBridgeIntegration:
+    """Make Megatron-Bridge's ``pretrain()`` serve ``logger.log_params_norm`` from norm_optim.
 
-    Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
-    TensorBoard / W&B scalar ``params-norm`` then come from
-    :meth:`~norm_optim.NormAwareOptimizer.param_l2_norms` (each element counted once, on every
-    layout), computed only at the iterations whose log reads them.
+    Call it on every rank before ``pretrain(...)``, once: Bridge's printed ``params norm`` and
+    its ``params-norm`` scalar are then norm_optim's
+    (:meth:`~norm_optim.NormAwareOptimizer.param_l2_norms`), read only at the iterations
+    whose log shows them.
 
     Args:
-        breakdown: also log the dense and expert norms: the log line reads
-            ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
-            / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
-        per_param: also write ``params-norm/param/<name>`` for every param (layout-independent
-            name), ``params-norm/layer/<global layer>`` and ``params-norm/expert/<layer>.<expert>``
-            (same single all-reduce; the names are exchanged once, at the first logged
-            iteration), and end the log line with the params whose norm grew fastest since the
-            previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
-        step_norms: also measure the optimizer step of every iteration whose log reads the
-            norms and write ``grads-norm`` (before clipping), ``updates-norm``, ``exp-avg-norm``,
-            ``exp-avg-sq-norm`` (with ``per_param`` also their per-param / per-layer /
-            per-expert scalars and ``update-to-weight/layer/<layer>``), as
-            :func:`norm_optim.integrations.megatron_lm.install` does.
-        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
-            every ``audit_interval`` iterations and at the first iteration after each setup
-            (after any checkpoint load), after ``training_log``; write the number of findings
-            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
-            default) never audits.
-        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
-            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
-            before the bad weights are saved.
-        checkpoint_parity: write the saved weights' total and per-layer norms beside every
-            checkpoint the loop saves (``norm_optim_norms.json``, one per-param norm read per
-            save) and, after a load, log the loaded weights' norm once before the first step
-            (``params-norm/at-load`` and a line from rank 0) and name the layers whose norm
-            differs from what was saved (warned or raised as ``audit_action`` says). On by
-            default; a checkpoint saved without it just gets the at-load line.
-        watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
-            True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
-            config. Each iteration's grads (before clipping) in total, per layer and per param
-            are judged against their rolling statistics (one all-reduce per step, no host sync
-            of its own), and the loss where this rank has it; an alarm is a line
-            ``norm_optim watch: iteration <N>: ...`` on the last rank (logger
-            ``norm_optim.watch``) naming the signal, the layer and the param, the scalar
-            ``watch/alarms``, and the next step measured per param (its step norms written).
-            With ``skip``, a spiking step is not applied (a skipped iteration to the loop).
-        wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
-            ``group``, ``comm``).
+        options, kwargs: as :func:`norm_optim.integrations.megatron_lm.install` takes them
+            (:class:`InstallOptions`; ``install(per_param=True)``), the same for both loops;
+            Bridge hands the wrapper its own ``pg_collection`` with ``use_decentralized_pg``.
 
     Returns:
-        A :class:`MegatronBridgeIntegration`: ``.optimizer`` is the wrapper once built,
-        ``.uninstall()`` (or ``with install(): ...``) restores Bridge's functions.
+        A :class:`MegatronBridgeIntegration` (``.optimizer``: the wrapper Bridge's setup built;
+        ``.uninstall()`` or ``with install(): ...`` puts Bridge's functions back).
 
     Raises:
         MegatronBridgeVersionError: Megatron-Bridge does not import, or its loop lacks what is
             patched; the message names the Bridge and megatron-core versions.
-        RuntimeError: already installed (uninstall the first one).
+        ValueError, TypeError: a bad or unknown option, before anything is patched.
+        RuntimeError: installed already: uninstall the first one.
     """
-    audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
-    parity = CheckpointParity(audit_action) if checkpoint_parity else None
+    options = InstallOptions.of(options, kwargs)
     setup, train = _bridge_modules()
-    if installed_integration(train, "calc_params_l2_norm") is not None:
-        raise RuntimeError(
-            "norm_optim's Megatron-Bridge integration is already installed; call uninstall() "
-            "on the handle install() returned before installing again"
-        )
-    _check_hooks(setup, train)
-    if (step_norms or watch) and not callable(getattr(train, "train_step", None)):
-        raise MegatronBridgeVersionError(
-            f"megatron.bridge.training.train of {_versions()} has no train_step: "
-            "install(step_norms=True) and install(watch=...) arm the optimizer step there"
-        )
-    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms, watch=WatchConfig.of(watch))
-    return MegatronBridgeIntegration(setup, train, log, wrapper_options, audit, parity)
+    refuse_second_install(train, ("calc_params_l2_norm",), "Megatron-Bridge")
+    _check_hooks(setup, train, options)
+    return MegatronBridgeIntegration(setup, train, options)

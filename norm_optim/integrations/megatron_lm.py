@@ -21,7 +21,7 @@ Usage, in a ``pretrain_gpt.py``-style script::
 
     from norm_optim.integrations import megatron_lm
 
-    megatron_lm.install()            # once, before pretrain(...)
+    megatron_lm.install()            # once, before pretrain(...); options: InstallOptions
     pretrain(...)
 """
 
@@ -32,22 +32,14 @@ from typing import Any, Mapping, Optional
 
 from .._errors import NormOptimError
 from .._versions import megatron_core_version_string
-from .._watch import WatchConfig
 from .._wrapper import NormAwareOptimizer
-from ._common import (
-    AuditSchedule,
-    CheckpointParity,
-    LoggedParamsNorm,
-    LoopIntegration,
-    ParamsNormLog,
-    moved_loop_names,
-    installed_integration,
-    missing_parameters,
-)
+from ._common import InstallOptions, LoggedParamsNorm, LoopIntegration, missing_hooks
+from ._common import moved_loop_names, refuse_second_install
 
 __all__ = [
     "MegatronLMIntegration",
     "MegatronLMVersionError",
+    "InstallOptions",
     "LoggedParamsNorm",
     "install",
     "log_reads_params_norm",
@@ -78,11 +70,7 @@ def _training_module() -> ModuleType:
             f"checkout; with megatron-core alone, wrap the optimizer yourself "
             f"(NormAwareOptimizer(optimizer, model=model_chunks)). Import error: {exc}"
         ) from exc
-    missing = [
-        name for name in (*_PATCHED, "train_step") if not callable(getattr(training, name, None))
-    ]
-    if not missing:
-        missing = missing_parameters("training_log", training.training_log, _TRAINING_LOG_PARAMS)
+    missing = missing_hooks("", training, (*_PATCHED, "train_step"), _TRAINING_LOG_PARAMS)
     if missing:
         raise MegatronLMVersionError(
             f"megatron.training.training of {found} has no {', '.join(missing)}; "
@@ -97,13 +85,6 @@ def _global_vars() -> ModuleType:
     from megatron.training import global_vars
 
     return global_vars
-
-
-def _checkpoint_directory(root: str, iteration: int) -> str:
-    """The directory Megatron-LM saves iteration ``iteration``'s checkpoint in, every format."""
-    from megatron.training.checkpointing import get_checkpoint_name
-
-    return str(get_checkpoint_name(root, iteration, return_base_dir=True))
 
 
 def log_reads_params_norm(args: Any, iteration: int, is_first_iteration: bool) -> bool:
@@ -129,24 +110,10 @@ class MegatronLMIntegration(LoopIntegration):
     calc_params_l2_norm_path = "megatron.training.training.calc_params_l2_norm"
     setup_name = "setup_model_and_optimizer"
 
-    def __init__(
-        self,
-        training: ModuleType,
-        log: ParamsNormLog,
-        wrapper_options: dict[str, Any],
-        audit: Optional[AuditSchedule] = None,
-        parity: Optional[CheckpointParity] = None,
-    ) -> None:
-        names = _PATCHED + (("train_step",) if log.arms_steps else ())
-        names += ("save_checkpoint",) if parity is not None else ()
-        super().__init__(
-            [(training, name) for name in names],
-            training.training_log,
-            log,
-            wrapper_options,
-            audit,
-            parity,
-        )
+    def __init__(self, training: ModuleType, options: InstallOptions) -> None:
+        names = _PATCHED + (("train_step",) if options.arms_steps else ())
+        names += ("save_checkpoint",) if options.checkpoint_parity else ()
+        super().__init__([(training, name) for name in names], training.training_log, options)
 
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
         # The loop sets args.curr_iteration, runs train_step, then logs iteration + 1.
@@ -161,26 +128,21 @@ class MegatronLMIntegration(LoopIntegration):
             optimizer = NormAwareOptimizer(optimizer, model=model, **self._wrapper_options)
         self.optimizer, self.model = optimizer, model
         run = _global_vars().get_args()
-        if self.parity is not None and optimizer is not None and run.load and run.iteration:
-            # The loaded weights, before the first step: on every rank (a collective).
-            self.parity.loaded(
-                optimizer,
-                _checkpoint_directory(run.load, run.iteration),
-                run.iteration,
-                _global_vars().get_tensorboard_writer(),
-                _global_vars().get_wandb_writer(),
-            )
+        self._after_load(run.load, run.iteration, lambda: self._writers({}))
         return model, optimizer, scheduler
 
     def _save_checkpoint(
         self, iteration: int, model: Any, optimizer: Any, *a: Any, **kw: Any
     ) -> Any:
         result = self._originals["save_checkpoint"](iteration, model, optimizer, *a, **kw)
-        run = _global_vars().get_args()
-        persistent = not kw.get("non_persistent_ckpt", False)
-        if self.parity is not None and self.optimizer is not None and run.save and persistent:
-            self.parity.saved(self.optimizer, _checkpoint_directory(run.save, iteration), iteration)
+        self._after_save(_global_vars().get_args().save, iteration, kw)
         return result
+
+    def _checkpoint_directory(self, root: str, iteration: int) -> str:
+        # Every checkpoint format's directory.
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        return str(get_checkpoint_name(root, iteration, return_base_dir=True))
 
     def _reads_params_norm(self, arguments: Mapping[str, Any]) -> bool:
         return log_reads_params_norm(
@@ -205,17 +167,7 @@ class MegatronLMIntegration(LoopIntegration):
         return global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer()
 
 
-def install(
-    *,
-    breakdown: bool = False,
-    per_param: bool = False,
-    step_norms: bool = False,
-    audit_interval: int = 0,
-    audit_action: str = "warn",
-    checkpoint_parity: bool = True,
-    watch: "bool | dict[str, Any] | WatchConfig" = False,
-    **wrapper_options: Any,
-) -> MegatronLMIntegration:
+def install(options: Optional[InstallOptions] = None, **kwargs: Any) -> MegatronLMIntegration:
     """Make Megatron-LM's training loop serve ``--log-params-norm`` from norm_optim.
 
     Call once, before ``pretrain(...)``, on every rank. The printed ``params norm`` and the
@@ -224,47 +176,9 @@ def install(
     layout), computed only at the iterations whose log reads them.
 
     Args:
-        breakdown: also log the dense and expert norms: the log line reads
-            ``params norm: T | params norm dense: D | params norm expert: E |``, and TensorBoard
-            / W&B get ``params-norm-dense`` and ``params-norm-expert`` (same single all-reduce).
-        per_param: also write ``params-norm/param/<name>`` for every param (layout-independent
-            name), ``params-norm/layer/<global layer>`` and ``params-norm/expert/<layer>.<expert>``
-            (same single all-reduce; the names are exchanged once, at the first logged
-            iteration), and end the log line with the params whose norm grew fastest since the
-            previous logged iteration (``| fastest-growing params: <name> x1.0123, ... |``).
-        step_norms: also measure the optimizer step of every iteration whose log reads the
-            norms (:meth:`~norm_optim.NormAwareOptimizer.measure_next_step`; others cost
-            nothing) and write ``grads-norm`` (before clipping), ``updates-norm``,
-            ``exp-avg-norm``, ``exp-avg-sq-norm``; with ``per_param`` also
-            ``grads-norm/{param,layer,expert}/...``, the same for ``updates-norm``, and
-            ``update-to-weight/layer/<layer>``. The log line's grad norm is followed by the
-            update-to-weight ratio (``| update/weight: 1.2e-03 (largest: layer 3 2.1e-03) |``).
-            Megatron's own ``grad-norm``, clipping and training are unchanged.
-        audit_interval: audit (:meth:`~norm_optim.NormAwareOptimizer.audit`, on every rank)
-            every ``audit_interval`` iterations and at the first iteration after each setup
-            (after any checkpoint load), after ``training_log``; write the number of findings
-            as the TensorBoard / W&B scalar ``params-audit/findings`` (0 when clean). 0 (the
-            default) never audits.
-        audit_action: ``"warn"``: rank 0 prints the findings with their param names;
-            ``"raise"``: every rank raises :class:`~norm_optim.AuditError`, stopping the run
-            before the bad weights are saved.
-        checkpoint_parity: write the saved weights' total and per-layer norms beside every
-            checkpoint the loop saves (``norm_optim_norms.json``, one per-param norm read per
-            save) and, after a load, log the loaded weights' norm once before the first step
-            (``params-norm/at-load`` and a line from rank 0) and name the layers whose norm
-            differs from what was saved (warned or raised as ``audit_action`` says). On by
-            default; a checkpoint saved without it just gets the at-load line.
-        watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
-            True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
-            config. Each iteration's grads (before clipping) in total, per layer and per param
-            are judged against their rolling statistics (one all-reduce per step, no host sync
-            of its own), and the loss where this rank has it; an alarm is a line
-            ``norm_optim watch: iteration <N>: ...`` on the last rank (logger
-            ``norm_optim.watch``) naming the signal, the layer and the param, the scalar
-            ``watch/alarms``, and the next step measured per param (its step norms written).
-            With ``skip``, a spiking step is not applied (a skipped iteration to the loop).
-        wrapper_options: passed to :class:`~norm_optim.NormAwareOptimizer` (``count_frozen``,
-            ``pg_collection``, ``group``, ``comm``).
+        options, kwargs: what else to log, audit and watch (:class:`InstallOptions`, whole and
+            / or by field name: ``install(breakdown=True)``) and
+            :class:`~norm_optim.NormAwareOptimizer`'s keyword arguments (``comm=...``).
 
     Returns:
         A :class:`MegatronLMIntegration`: ``.optimizer`` is the wrapper once built,
@@ -273,15 +187,10 @@ def install(
     Raises:
         MegatronLMVersionError: megatron-core has no ``megatron.training`` (before 0.17), or its
             loop lacks what is patched; the message names the version.
+        ValueError, TypeError: a bad or unknown option, before anything is patched.
         RuntimeError: already installed (uninstall the first one).
     """
-    audit = AuditSchedule(audit_interval, audit_action)  # bad values fail before patching
-    parity = CheckpointParity(audit_action) if checkpoint_parity else None
+    options = InstallOptions.of(options, kwargs)
     training = _training_module()
-    if any(installed_integration(training, name) is not None for name in (*_PATCHED, "train_step")):
-        raise RuntimeError(
-            "norm_optim's Megatron-LM integration is already installed; call uninstall() on the "
-            "handle install() returned before installing again"
-        )
-    log = ParamsNormLog(breakdown, per_param, step_norms=step_norms, watch=WatchConfig.of(watch))
-    return MegatronLMIntegration(training, log, wrapper_options, audit, parity)
+    refuse_second_install(training, (*_PATCHED, "train_step"), "Megatron-LM")
+    return MegatronLMIntegration(training, options)

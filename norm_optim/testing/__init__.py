@@ -25,6 +25,8 @@ Every public module (each name below them is public; the package re-exports the 
 - :mod:`~norm_optim.testing.torch_fsdp2` — torch FSDP2 models (Megatron's and torch-native
   ``fully_shard``), their DTensors filled.
 - :mod:`~norm_optim.testing.mimo` — MIMO models (``MimoModel`` / ``MimoOptimizer``) on CPU ranks.
+- :mod:`~norm_optim.testing.logs` — :func:`recorded_log_lines`: what norm_optim logs
+  (``norm_optim.*`` loggers) inside a rank, as lines (pytest's ``caplog`` does not reach ranks).
 - :mod:`~norm_optim.testing.megatron_lm` — Megatron-LM's real ``pretrain()`` on CPU ranks
   (imported on demand: needs ``megatron.training``, megatron-core >= 0.19).
 - :mod:`~norm_optim.testing.megatron_bridge` — Megatron-Bridge's real ``pretrain()`` on CPU

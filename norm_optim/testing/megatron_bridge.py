@@ -32,12 +32,13 @@ import io
 import sys
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
+from norm_optim.testing.logs import recorded_log_lines
 from norm_optim.testing._internal.torch_fsdp2_patches import install_torch_fsdp2_cpu_patches
 from norm_optim.testing._internal.bridge_patches import (
     transformer_engine_for_lora_layers,
@@ -273,14 +274,21 @@ def tiny_config(
 @dataclass
 class RankOutput:
     """What one rank of :func:`run_pretrain` returns: its stdout lines (Bridge prints its log
-    line on the last rank) and the callbacks' ``user_state`` (picklable values only)."""
+    line on the last rank), the callbacks' ``user_state`` (picklable values only), and what
+    norm_optim logged (:func:`~norm_optim.testing.logs.recorded_log_lines`: one
+    ``"<LEVEL> <logger>: <message>"`` per record)."""
 
     lines: list[str]
     user_state: dict[str, Any]
+    logged: list[str] = field(default_factory=list)
 
     def matching(self, text: str) -> list[str]:
-        """The lines that contain ``text``."""
+        """The stdout lines that contain ``text``."""
         return [line for line in self.lines if text in line]
+
+    def logged_matching(self, text: str) -> list[str]:
+        """What norm_optim logged that contains ``text``."""
+        return [line for line in self.logged if text in line]
 
 
 def _flush_tensorboard(context: Any) -> None:
@@ -314,12 +322,12 @@ def _pretrain_rank(
     ):
         undo = before() if before is not None else None
         try:
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stdout(out), recorded_log_lines() as logged:
                 pretrain(config, forward_step, callbacks=manager)
         finally:
             if undo is not None:
                 undo.uninstall()
-    return RankOutput(out.getvalue().splitlines(), dict(manager.user_state))
+    return RankOutput(out.getvalue().splitlines(), dict(manager.user_state), logged)
 
 
 def run_pretrain(

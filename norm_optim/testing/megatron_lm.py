@@ -39,13 +39,14 @@ import io
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
+from norm_optim.testing.logs import recorded_log_lines
 from norm_optim._patching import Patch
 from norm_optim.testing._internal.megatron_lm_patches import megatron_lm_on_cpu
 
@@ -324,6 +325,8 @@ class PretrainResult:
     """What one rank saw of a :func:`pretrain_gpt` run."""
 
     stdout: str  # everything the rank printed (Megatron's log is on the last rank)
+    # What norm_optim logged: "<LEVEL> <logger>: <message>" per record (recorded_log_lines).
+    logged: list[str] = field(default_factory=list)
 
     @property
     def log_lines(self) -> list[str]:
@@ -358,6 +361,7 @@ def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> Pretrai
     ):
         if capture_stdout:
             stack.enter_context(contextlib.redirect_stdout(out))
+        logged = stack.enter_context(recorded_log_lines())
         sys.argv = [sys.argv[0], *argv]
         try:
             args = parse_and_validate_args()
@@ -373,4 +377,4 @@ def pretrain_gpt(argv: Sequence[str], *, capture_stdout: bool = True) -> Pretrai
             ModelType.encoder_or_decoder,
             forward_step,
         )
-    return PretrainResult(stdout=out.getvalue())
+    return PretrainResult(stdout=out.getvalue(), logged=logged)

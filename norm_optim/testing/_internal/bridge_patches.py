@@ -90,12 +90,13 @@ def transformer_engine_for_lora_layers() -> Iterator[None]:
 def without_nvrx_async_checkpointing() -> Iterator[None]:
     had = _NVRX_ASYNC_CORE in sys.modules
     previous = sys.modules.get(_NVRX_ASYNC_CORE)
-    sys.modules[_NVRX_ASYNC_CORE] = None  # type: ignore[assignment]
+    modules: dict[str, Any] = sys.modules  # None there makes the import fail
+    modules[_NVRX_ASYNC_CORE] = None
     try:
         yield
     finally:
         if had:
-            sys.modules[_NVRX_ASYNC_CORE] = previous  # type: ignore[assignment]
+            modules[_NVRX_ASYNC_CORE] = previous
         else:
             del sys.modules[_NVRX_ASYNC_CORE]
 

@@ -27,11 +27,11 @@ def _cuda_index_during(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         saved = torch.cuda.current_device
-        torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+        setattr(torch.cuda, "current_device", lambda: 0)
         try:
             init(self, *args, **kwargs)
         finally:
-            torch.cuda.current_device = saved  # type: ignore[assignment]
+            setattr(torch.cuda, "current_device", saved)
 
     return wrapper
 
