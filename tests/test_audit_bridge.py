@@ -32,9 +32,11 @@ PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
 
 
 class _Fault(Callback):  # type: ignore[misc]
-    """Before step 2 (0-based step 1), on rank 1: one fp32 main's lowest bit."""
+    """Right after step 2's update (0-based step 1), before its log and audit, on rank 1: one
+    fp32 main's lowest bit. (Injected before the update, the drift can be rounded away by it:
+    a lowest bit is below the resolution of ``θ − u`` wherever ``|u| > |θ|``.)"""
 
-    def on_train_step_start(self, context: CallbackContext) -> None:
+    def on_train_step_end(self, context: CallbackContext) -> None:
         if context.state.train_state.step == 1:
             inject_fault_(context.optimizer, PARAM, what="main", rank=1)
 
