@@ -52,4 +52,4 @@ __all__ = [
     "WatchConfig",
 ]
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
