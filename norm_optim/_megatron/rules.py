@@ -470,10 +470,16 @@ class UpdateReader:
         self.differences = StoredDifferences(
             optimizer, tensors, counted.slots, counted.num_slots, counted.device
         )
-        self._unread = None if rule.reads_stored else "its rule derives the update"
-        if self._unread is None:
-            self._unread = self._unreadable(counted.device)
+        self._unread = (
+            self._unreadable(counted.device) if rule.reads_stored else "its rule derives the update"
+        )
         self._read = False
+        # Each counted param's batch: its chunk (fixed with the plan); the others go last.
+        self._batch_of = {
+            id(self.entries[i].param): c
+            for c, chunk in enumerate(self.differences.plan.chunks)
+            for i in chunk.items
+        }
 
     def _unreadable(self, device: torch.device) -> Optional[str]:
         name = step_name(self.optimizer)
@@ -541,15 +547,13 @@ class UpdateReader:
         step = type(optimizer).step
         groups = optimizer.param_groups
         saved = [group["params"] for group in groups]
-        # Each param's batch: its chunk, or the last (not counted here), in group order.
-        batch_of = {
-            id(self.entries[i].param): c for c, chunk in enumerate(plan.chunks) for i in chunk.items
-        }
+        # The groups' params as they are now, by batch (the last: those not counted here), in
+        # group order.
         rest = len(plan.chunks)
         batches: list[list[list[torch.Tensor]]] = [[[] for _ in groups] for _ in range(rest + 1)]
         for g, params in enumerate(saved):
             for p in params:
-                batches[batch_of.get(id(p), rest)][g].append(p)
+                batches[self._batch_of.get(id(p), rest)][g].append(p)
         try:
             for c, batch in enumerate(batches):
                 chunk = plan.chunks[c] if c < rest else None
