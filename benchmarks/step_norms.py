@@ -11,6 +11,11 @@ the in-step read of Adam's update holds during the step), the largest fp32 tenso
 the aten ops an armed step adds per param tensor (torch's dispatch mode), and a watched step
 (``watch()``: the grads judged every step), timed in pairs with a plain one. The step is re-run
 on the same grads (no forward / backward): what is timed is the step.
+
+The **floor** of any exact armed step, measured in the same run: a plain step followed by the
+sums of squares every armed step returns whatever reads the update (the grads, the weights, both
+moments: the same calls, on the same tensors), paired with a plain step. ``armed_over_floor``
+is what reading the update and the rest of the armed machinery add on top of it.
 """
 
 from __future__ import annotations
@@ -121,6 +126,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
         ),
         default=0,
     )
+    reads = _reads(optimizer, measurement)
     plain_peak = peak.measure(plain)
     armed_peak = peak.measure(total_only)
     # The always-on watch (grads per param judged every step; no alarm in a clean run), timed
@@ -155,7 +161,24 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     row["armed_step_s"], row["armed_over_plain"] = _paired(plain, total_only)
     row["armed_per_param_step_s"], row["armed_per_param_over_plain"] = _paired(plain, per_param)
     row["watched_over_plain"] = watched_ratio
+    row["reads_s"] = _median(reads)
+    row["floor_step_s"], row["floor_over_plain"] = _paired(plain, lambda: (plain(), reads()))
+    row["armed_over_floor"] = row["armed_over_plain"] / row["floor_over_plain"]
     return row
+
+
+def _reads(optimizer: Any, measurement: Any) -> Callable[[], None]:
+    """The sums of squares an armed step returns besides the updates (grads, weights, moments),
+    as its own calls take them: the least any exact armed step adds to a plain one."""
+    reducer, plan = optimizer._current_reducer(), measurement.plan
+
+    def run() -> None:
+        reducer.local_squares(plan.grads())
+        reducer.local_weight_squares()
+        if plan.has_moments:
+            reducer.local_squares(*plan.moments())
+
+    return run
 
 
 def _watched(optimizer: Any) -> tuple[float, float]:
@@ -200,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(bound {row['bound_bytes']} B; in-step scratch {row['in_step_scratch_bytes']} B, "
             f"armed - plain peak measured {row['armed_minus_plain_peak_bytes']} B), extra aten ops per "
             f"tensor {row['extra_aten_ops_per_tensor']:.1f} (per-param "
-            f"{row['extra_aten_ops_per_tensor_per_param']:.1f})"
+            f"{row['extra_aten_ops_per_tensor_per_param']:.1f}); floor (plain + the reads of "
+            f"grads, weights, moments: {row['reads_s'] * 1e3:.3g} ms) "
+            f"{row['floor_over_plain']:.2f}x, armed / floor {row['armed_over_floor']:.2f}x"
         )
     if args.out:
         with open(args.out, "w") as f:

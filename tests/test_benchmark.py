@@ -137,6 +137,10 @@ def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
         "armed_per_param_over_plain",
         "in_step_scratch_bytes",
         "armed_minus_plain_peak_bytes",
+        "reads_s",
+        "floor_step_s",
+        "floor_over_plain",
+        "armed_over_floor",
     }
     # Weights, grads and both moments: Adam's update is read in its step, from cache.
     assert row["bytes_read_armed_step"] == 4 * row["bytes_read_param_l2_norm"]
