@@ -14,7 +14,7 @@ import torch
 
 from ._comm import Communicator, Done, ProcessGroup, Work
 from ._errors import NormOptimError
-from ._kernels import SumOfSquaresPlan
+from ._kernels import DeviceIndices, SumOfSquaresPlan
 from ._name_exchange import exchange_names
 from ._megatron.naming import expert_of, layer_of, natural_key
 from ._registry import CountedRecord, ParamRecord, ParamRegistry
@@ -225,6 +225,10 @@ class NormReducer:
     ) -> None:
         self.registry, self.comm, self.group = registry, comm, group
         self.device = comm.device(group)
+        # The index tensors of every plan built here, kept on the device once per layout: the
+        # plans of a step's grads and moments are rebuilt at each step (new tensor objects) and
+        # then copy nothing to the device (no host stall: :mod:`norm_optim._kernels.indices`).
+        self.indices = DeviceIndices()
         counted = registry.counted
         if not registry.records:
             warnings.warn("norm_optim: the model has no params; its norm is 0", stacklevel=3)
@@ -233,6 +237,7 @@ class NormReducer:
             [EXPERT if r.expert else DENSE for r in counted],
             num_slots=2,
             out_device=self.device,
+            indices=self.indices,
         )
         if warm_up:
             PendingNorms(self._split_plan(), Done(), None).wait()
@@ -283,7 +288,9 @@ class NormReducer:
         ``registry.counted[i]`` (None: nothing).
 
         One plan built for this call (these tensors may be new objects at every step) over all
-        the quantities, with the weights' slots (offset per quantity) and the same kernels.
+        the quantities, with the weights' slots (offset per quantity) and the same kernels; its
+        index tensors are the reducer's (:attr:`indices`), so a call over the same layout as
+        an earlier one copies nothing to the device.
         """
         slots, n = self.counted_slots(per_param), self.num_slots(per_param)
         kept = [
@@ -297,6 +304,7 @@ class NormReducer:
             [s for _, s in kept],
             num_slots=n * len(quantities),
             out_device=self.device,
+            indices=self.indices,
         )
         squares = plan()
         if per_param:
@@ -347,6 +355,7 @@ class NormReducer:
                 self._per_param_slots,
                 num_slots=EXPERT + 1 + len(self.names),
                 out_device=self.device,
+                indices=self.indices,
             )
             self._kinds = torch.tensor(  # long even when empty (a model with no params)
                 [EXPERT if expert else DENSE for _, expert in self.names],

@@ -164,6 +164,7 @@ class StepPlan:
                 )
             self.entries.append(entry)
         self.names = [r.name for r in records]
+        self._indices = reducer.indices
         self._clip_groups(reducer, records)
         slots = reducer.counted_slots(per_param)
         self.num_slots, self.device = reducer.num_slots(per_param), reducer.device
@@ -204,6 +205,7 @@ class StepPlan:
             [s for _, s in kept],
             len(self.clip_groups),
             out_device=self.device,
+            indices=self._indices,
         )
         return plan()
 

@@ -264,9 +264,8 @@ class Watch:
         )
         if n_layers:
             summary[_LAYER] = excess[1 : 1 + n_layers].argmax()
-        else:
-            summary[_LAYER] = -1
-        summary[_PARAM] = excess[1 + n_layers :].argmax() if len(tail) else -1
+        if len(tail):
+            summary[_PARAM] = excess[1 + n_layers :].argmax()
         self._pending.append((summary, non_finite, False))
         return summary[_FLAG] > 0
 
@@ -285,13 +284,14 @@ class Watch:
     ) -> torch.Tensor:
         best = excess.argmax()
         spike = excess[best] > self.config.k
-        summary = torch.empty(_WIDTH, dtype=torch.float64, device=x.device)
+        # -1 where nothing is named (layer, param), filled where it is made: no value from the
+        # host written into it afterwards.
+        summary = torch.full((_WIDTH,), -1.0, dtype=torch.float64, device=x.device)
         summary[_FLAG] = (spike | non_finite).double()
         summary[_NON_FINITE] = non_finite.double()
         summary[_BEST] = best
         summary[_VALUE], summary[_MEAN], summary[_STD] = x[best], mean[best], std[best]
         summary[_EXCESS] = excess[best]
-        summary[_LAYER] = summary[_PARAM] = -1
         return summary
 
     # ------------------------------------------------------------ other signals

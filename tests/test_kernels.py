@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from norm_optim._kernels import SumOfSquaresPlan
+from norm_optim._kernels import DeviceIndices, SumOfSquaresPlan
 from norm_optim._kernels.rows import ROW
 
 
@@ -222,3 +222,51 @@ def test_cuda_and_cpu_offloaded_mixed():
     _assert_close(out.cpu(), _reference([t.cpu() for t in tensors], slots, 3), rtol=5e-7)
     cpu_out = SumOfSquaresPlan(tensors, slots, 3, out_device=torch.device("cpu"))()
     _assert_close(cpu_out, out.cpu(), rtol=1e-12)
+
+
+def _host_made(fn):
+    """(fn's result, how many tensors it made from host data: ``torch.tensor`` is
+    ``aten.lift_fresh``; towards a GPU each is a copy from pageable memory that stalls the host)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.made += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        result = fn()
+    return result, Count.made
+
+
+def test_plans_rebuilt_over_one_layout_share_their_index_tensors():
+    """A step's grads are new tensor objects each step, so their plan is rebuilt each step: with
+    one ``DeviceIndices`` the rebuilt plan makes no index tensor again (none would be copied to a
+    GPU), and its sums stay exact; a new layout makes its own; the oldest are dropped."""
+    g = torch.Generator().manual_seed(9)
+    shapes = [(3, 5), (70_000,), (1024, 20), (300,)]  # packed, viewed in rows, and their mix
+    slots = [0, 1, 1, 2]
+    indices = DeviceIndices(capacity=4)
+
+    def build_and_sum():
+        tensors = [torch.randn(s, generator=g) for s in shapes]
+        sums = SumOfSquaresPlan(tensors, slots, 3, indices=indices)()
+        return sums, _reference(tensors, slots, 3)
+
+    (first, want), made = _host_made(build_and_sum)
+    assert made > 0 and 0 < len(indices) <= 4
+    _assert_close(first, want)
+    (again, want), made = _host_made(build_and_sum)
+    assert made == 0, "a plan over the same layout made its index tensors again"
+    _assert_close(again, want)
+    other = [torch.randn(s, generator=g) for s in [(17,), (5, 5)]]
+    _, made = _host_made(lambda: SumOfSquaresPlan(other, [2, 0], 3, indices=indices)())
+    assert made > 0 and len(indices) <= 4
+    values = indices([1, 2, 3], torch.device("cpu"))
+    assert indices([1, 2, 3], torch.device("cpu")) is values
+    assert values.dtype == torch.long and values.tolist() == [1, 2, 3]
+    for n in range(4):  # four newer lists push it out
+        indices([n], torch.device("cpu"))
+    assert len(indices) == 4 and indices([1, 2, 3], torch.device("cpu")) is not values

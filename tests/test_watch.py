@@ -228,6 +228,64 @@ def test_watching_alone_changes_no_training_bit() -> None:
     assert watched == plain
 
 
+def _host_made_per_read() -> dict[str, list[int]]:
+    """Tensors made from host data (``torch.tensor``: ``aten.lift_fresh``; towards a GPU each is
+    a copy from pageable memory, which stalls the host) inside the reads of four watched steps,
+    the last four armed (two total-only, two per-param): the watch's grads, the armed step's
+    grads, and everything it sums after the step (weights, moments, the packet)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from norm_optim._step import StepMeasurement, WatchedGrads
+
+    made: dict[str, list[int]] = {"watch": [], "armed grads": [], "armed after": []}
+
+    class Count(TorchDispatchMode):
+        def __init__(self, key: str) -> None:
+            super().__init__()
+            self.key, self.n = key, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    def counted(cls: type, name: str, key: str) -> None:
+        original = getattr(cls, name)
+
+        def run(self: Any, *args: Any) -> Any:
+            with Count(key) as count:
+                result = original(self, *args)
+            made[key].append(count.n)
+            return result
+
+        setattr(cls, name, run)
+
+    counted(WatchedGrads, "grads_ready", "watch")
+    counted(StepMeasurement, "grads_ready", "armed grads")
+    counted(StepMeasurement, "launch", "armed after")
+    chunks, inner = _build(Layout(2, SMALL), True)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    optimizer.watch(**CONFIG)
+    for step in range(1, 7):
+        if step > 2:
+            optimizer.measure_next_step(per_param=step > 4)
+        train_step(chunks, optimizer, seed=step)
+        if step > 2:
+            optimizer.step_norms()
+    return made
+
+
+def test_reads_after_the_first_make_nothing_on_the_host() -> None:
+    """The grads of a watched step and an armed step's sums are new plans each step (the grads
+    may be new tensors); their index tensors are kept once per layout, so after the first step
+    of each kind nothing is made on the host, nothing copied to the device: on a GPU, no stall."""
+    for made in run_ranks(_host_made_per_read, 2):
+        assert made["watch"][1:] == [0] * 5, made
+        assert made["armed grads"][1] == made["armed grads"][3] == 0, made
+        # The first total-only and the first per-param arm lay out the moments' sums.
+        assert made["armed after"][0] > 0 and made["armed after"][2] > 0, made
+        assert made["armed after"][1] == made["armed after"][3] == 0, made
+
+
 # ---------------------------------------------------------------- one process
 
 

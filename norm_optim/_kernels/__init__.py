@@ -5,9 +5,11 @@
 - :mod:`.rows` — CPU: short fp32 row norms summed in float64, small tensors packed in blocks.
 - :mod:`.fused` — accelerators: apex / Transformer Engine / torch fused multi-tensor norms.
 - :mod:`.remainders` — Transformer Engine's bf16 + int16 encoding of fp32 masters.
+- :mod:`.indices` — index tensors kept on the device, so rebuilt plans do not stall the host.
 """
 
+from .indices import DeviceIndices
 from .plan import SumOfSquaresPlan
 from .remainders import RemainderMaster, Summand
 
-__all__ = ["RemainderMaster", "SumOfSquaresPlan", "Summand"]
+__all__ = ["DeviceIndices", "RemainderMaster", "SumOfSquaresPlan", "Summand"]

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .indices import to_device
+
 # Row length of the scratch's row view: each row accumulates this many fp32 squares.
 ROW = 256
 
@@ -106,8 +108,8 @@ class ChunkedSquares:
             items[0],
             tuple(offsets),
             at,
-            torch.tensor(rows, dtype=torch.long, device=self.device),
-            torch.tensor([slots[i] for i in items], dtype=torch.long, device=self.device),
+            to_device(rows, torch.long, self.device),
+            to_device([slots[i] for i in items], torch.long, self.device),
         )
 
     @property
@@ -138,8 +140,7 @@ class ChunkedSquares:
         per_item = torch.zeros(len(chunk.offsets), dtype=torch.float64, device=self.device)
         per_item.index_add_(0, chunk.row_item, squares)
         if any(f != 1.0 for f in factors):
-            scale = torch.tensor([f * f for f in factors], dtype=torch.float64)
-            per_item.mul_(scale.to(self.device, non_blocking=True))
+            per_item.mul_(to_device([f * f for f in factors], torch.float64, self.device))
         out.index_add_(0, chunk.item_slot, per_item)
 
     def __call__(self, produce: Producer, out: Tensor) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .indices import DeviceIndices
 from .rows import BLOCK_NUMEL, split_bounded
 
 # Largest piece handed to a CUDA multi-tensor kernel: a cautious bound that keeps every element count
@@ -101,7 +102,11 @@ class FusedGroup:
     """
 
     def __init__(
-        self, tensors: Sequence[Tensor], slots: Sequence[int], device: torch.device
+        self,
+        tensors: Sequence[Tensor],
+        slots: Sequence[int],
+        device: torch.device,
+        indices: DeviceIndices,
     ) -> None:
         backend, self._l2norm = _multi_tensor_l2norm(device)
         self.backend = backend.value
@@ -120,7 +125,7 @@ class FusedGroup:
                 pieces = split_bounded(t, BLOCK_NUMEL)
                 self._strided.extend(pieces)
                 strided_slots.extend([slot] * len(pieces))
-        self._slots = torch.tensor(piece_slots + strided_slots, dtype=torch.long, device=device)
+        self._slots = indices(piece_slots + strided_slots, device)
         self.scratch_bytes = max((p.numel() * 4 for p in self._strided), default=0)
 
     def views(self) -> Iterator[Tensor]:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .fused import FusedGroup
+from .indices import DeviceIndices
 from .remainders import RemainderMaster, Summand
 from .rows import RowNormGroup
 
@@ -42,13 +43,13 @@ def _group_key(t: Summand) -> _GroupKey:
 
 
 def _build_group(
-    key: _GroupKey, tensors: list[Summand], slots: list[int]
+    key: _GroupKey, tensors: list[Summand], slots: list[int], indices: DeviceIndices
 ) -> RowNormGroup | FusedGroup:
     device, _, kind = key
     if kind is FusedGroup:
         # _group_key sends every RemainderMaster to row norms: a fused group's are all tensors.
-        return FusedGroup(cast(list[Tensor], tensors), slots, device)
-    return RowNormGroup(tensors, slots, device)
+        return FusedGroup(cast(list[Tensor], tensors), slots, device, indices)
+    return RowNormGroup(tensors, slots, device, indices)
 
 
 class SumOfSquaresPlan:
@@ -69,6 +70,9 @@ class SumOfSquaresPlan:
         num_slots: length of the output.
         out_device: where the result lives. Defaults to the first non-CPU device among the tensors,
             else CPU.
+        indices: where the plan's index tensors are kept; give the same one to plans rebuilt
+            over the same layout (a step's grads) so that they copy nothing to the device again
+            (:class:`~norm_optim._kernels.indices.DeviceIndices`). Default: the plan's own.
 
     Example::
 
@@ -82,6 +86,7 @@ class SumOfSquaresPlan:
         slots: Sequence[int],
         num_slots: int,
         out_device: torch.device | None = None,
+        indices: DeviceIndices | None = None,
     ) -> None:
         tensors, slots = list(tensors), [int(s) for s in slots]
         if len(tensors) != len(slots):
@@ -109,8 +114,9 @@ class SumOfSquaresPlan:
                 bucket = buckets[_group_key(t)]
                 bucket[0].append(t if isinstance(t, RemainderMaster) else t.detach())
                 bucket[1].append(slot)
+        indices = DeviceIndices() if indices is None else indices
         self._groups: dict[_GroupKey, RowNormGroup | FusedGroup] = {
-            key: _build_group(key, group_tensors, group_slots)
+            key: _build_group(key, group_tensors, group_slots, indices)
             for key, (group_tensors, group_slots) in buckets.items()
         }
 

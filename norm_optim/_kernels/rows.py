@@ -20,6 +20,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from .indices import DeviceIndices
 from .remainders import RemainderMaster, Summand, flat_slice
 
 # Row length of packed blocks: each row accumulates this many terms in fp32; shorter is more
@@ -106,8 +107,8 @@ class _Flush:
 class _FlushBuilder:
     """Lays out row views and packed blocks into flushes of at most FLUSH_ROWS rows, once."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
+    def __init__(self, device: torch.device, indices: DeviceIndices) -> None:
+        self._device, self._indices = device, indices
         self._zeros = torch.zeros(ROW, dtype=torch.float32, device=device)  # pads are views of it
         self.flushes: list[_Flush] = []
         self._items: list[Tensor | _PackedBlock] = []
@@ -168,13 +169,12 @@ class _FlushBuilder:
 
     def _close_flush(self) -> None:
         if self._items:
-            runs = torch.tensor(self._runs, dtype=torch.long, device=self._device).reshape(-1, 2)
             self.flushes.append(
                 _Flush(
                     tuple(self._items),
                     tuple(self._item_rows),
-                    runs[:, 0].clone(),
-                    runs[:, 1].clone(),
+                    self._indices([slot for slot, _ in self._runs], self._device),
+                    self._indices([rows for _, rows in self._runs], self._device),
                 )
             )
         self._items, self._item_rows, self._runs = [], [], []
@@ -203,14 +203,18 @@ class RowNormGroup:
     """
 
     def __init__(
-        self, tensors: Sequence[Summand], slots: Sequence[int], device: torch.device
+        self,
+        tensors: Sequence[Summand],
+        slots: Sequence[int],
+        device: torch.device,
+        indices: DeviceIndices,
     ) -> None:
         self._device = device
         decodes = any(isinstance(t, RemainderMaster) for t in tensors)
         self.backend = f"{device.type} row norms" + (" of decoded remainders" if decodes else "")
         self._strided: list[Tensor] = []
         strided_slots: list[int] = []
-        builder = _FlushBuilder(device)
+        builder = _FlushBuilder(device, indices)
         # Views first, packed pieces after: interleaving them would close a half-filled block at
         # every view (one copy and one reduction per small tensor instead of per 256 KiB).
         to_pack: list[tuple[Summand, int]] = []
@@ -235,7 +239,7 @@ class RowNormGroup:
             builder.add_packed(piece, slot)
         self._flushes = builder.finish()
         self._has_packed = any(isinstance(i, _PackedBlock) for f in self._flushes for i in f.items)
-        self._strided_slots = torch.tensor(strided_slots, dtype=torch.long, device=device)
+        self._strided_slots = indices(strided_slots, device)
 
     def views(self) -> Iterator[Summand]:
         """Every tensor a call reads: row views, packed pieces (zero pads included), strided pieces."""
