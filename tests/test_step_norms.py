@@ -330,6 +330,13 @@ def _measured_run(case: Case) -> dict:
             if getattr(p, "grad_norm_group", None) is not None
         ),
     }
+    out.update(_quantities(s))
+    return out
+
+
+def _quantities(s: Any) -> dict[str, dict]:
+    """The quantities of a ``StepNorms`` as plain floats (those it has), by name."""
+    out = {}
     for q in QUANTITIES:
         norms = getattr(s, q)
         if norms is None:
@@ -342,6 +349,27 @@ def _measured_run(case: Case) -> dict:
             "per_layer": {k: float(v) for k, v in norms.per_layer.items()},
         }
     return out
+
+
+def _check_updates(got: dict, oracle: dict[str, list[float]], read_in_step: bool) -> None:
+    """``got`` (the updates of :func:`_quantities`) against the snapshots' differences."""
+    total = math.sqrt(sum(v[2] for v in oracle.values()))
+    if read_in_step:
+        # Read in the step: the stored difference itself, to the fp32 rounding of the
+        # subtraction (2^-24 of each element) and of the row sums.
+        assert got["total"] == pytest.approx(total, rel=REL, abs=1e-12)
+        for pname, v in oracle.items():
+            own = UPDATE_ROUNDING * math.sqrt(v[2])
+            assert abs(got["per_param"][pname] - math.sqrt(v[2])) <= own + 1e-12, pname
+        return
+    # The derived update vs the stored difference: within one ulp of each weight.
+    bound = math.sqrt(sum(v[5] for v in oracle.values()))
+    assert abs(got["total"] - total) <= bound + REL * total
+    # Per param also the fp32 rounding of the rule's few ops on the update itself (in the
+    # step and in the derivation): a few 2^-24 of it (docs/step-norms.md).
+    for pname, v in oracle.items():
+        own = UPDATE_ROUNDING * math.sqrt(v[2])
+        assert abs(got["per_param"][pname] - math.sqrt(v[2])) <= math.sqrt(v[5]) + own + 1e-12
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -381,23 +409,8 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
             if q == "grads" and case.inf:
                 assert not math.isfinite(got[q]["total"])
                 continue
-            if q == "updates" and case.read_in_step:
-                # Read in the step: the stored difference itself, to the fp32 rounding of the
-                # subtraction (2^-24 of each element) and of the row sums.
-                assert got[q]["total"] == pytest.approx(total, rel=REL, abs=1e-12), (rank, q)
-                for pname, v in oracle.items():
-                    own = UPDATE_ROUNDING * math.sqrt(v[2])
-                    assert abs(per_param[pname] - math.sqrt(v[2])) <= own + 1e-12, (rank, pname)
-                continue
             if q == "updates":
-                # The derived update vs the stored difference: within one ulp of each weight.
-                bound = math.sqrt(sum(v[5] for v in oracle.values()))
-                assert abs(got[q]["total"] - total) <= bound + REL * total, (rank, q)
-                # Per param also the fp32 rounding of the rule's few ops on the update itself
-                # (in the step and in the derivation): a few 2^-24 of it (docs/step-norms.md).
-                for pname, v in oracle.items():
-                    own = UPDATE_ROUNDING * math.sqrt(v[2])
-                    assert abs(per_param[pname] - math.sqrt(v[2])) <= math.sqrt(v[5]) + own + 1e-12
+                _check_updates(got[q], oracle, case.read_in_step)
                 if case.inf:
                     assert got[q]["total"] == 0.0 and total == 0.0
                 continue
