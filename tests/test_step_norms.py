@@ -452,6 +452,77 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
                 assert ratio == pytest.approx(u / w, rel=1e-12)
 
 
+# torch optimizers put in place of the one megatron built (its param groups kept, weight decay
+# 0.1 and, where megatron's wd_mult is 0, none), with these group flags.
+SWAPPED: dict[str, tuple[type, dict[str, Any]]] = {
+    "adam-maximize": (torch.optim.Adam, dict(maximize=True, decoupled_weight_decay=False)),
+    "adamw-maximize": (torch.optim.AdamW, dict(maximize=True, decoupled_weight_decay=True)),
+}
+
+
+def _swapped_run(kind: str, hook: bool) -> list[dict]:
+    """Two armed steps from the first one (SGD's first step creates its buffer) of megatron's
+    optimizer (distributed for Adam, Float16 for SGD, as megatron builds them) whose inner torch
+    optimizer is ``SWAPPED[kind]``; with ``hook``, a step pre-hook on it: derived."""
+    cls, flags = SWAPPED[kind]
+    adam = issubclass(cls, torch.optim.Adam) or cls is torch.optim.AdamW
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=adam, seed=SEED)
+    inner = build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
+    for leaf in _leaves(inner):
+        leaf.optimizer = cls(leaf.optimizer.param_groups)
+        for group in leaf.optimizer.param_groups:
+            # What megatron's scheduler sets: no decay where wd_mult is 0 (biases, norms).
+            group["weight_decay"] *= group.get("wd_mult", 1.0)
+            group.update(flags)
+        if hook:
+            leaf.optimizer.register_step_pre_hook(lambda *args: None)
+    groups = [g for o in _torch_optimizers(inner) for g in o.param_groups]
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    steps = []
+    for step in range(2):
+        optimizer.measure_next_step(per_param=True)
+        probe = Probe(optimizer, inner, chunks, inf=False)
+        train_step(chunks, probe, seed=step)
+        steps.append(
+            {
+                "read_in_step": [r.read_in_step for r in _readers(optimizer)],
+                "oracle": probe.oracle(),
+                "weight_decays": sorted({float(g["weight_decay"]) for g in groups}),
+                **_quantities(optimizer.step_norms()),
+            }
+        )
+    return steps
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["read", "derived"])
+@pytest.mark.parametrize("kind", list(SWAPPED))
+def test_swapped_torch_optimizer_against_the_snapshots(kind: str, hook: bool) -> None:
+    """Adam / AdamW with ``maximize``, SGD with Nesterov (and ``maximize``, and torch's foreach
+    path), in the real megatron optimizers: read in the step, and derived after it."""
+    results = run_ranks(_swapped_run, 2, kind, hook)
+    # (Under the Float16 optimizer DP rank 1 counts nothing, so it reads nothing.)
+    assert all(any(r[step]["read_in_step"] for r in results) for step in range(2))
+    for steps in results:
+        for got in steps:
+            oracle = got["oracle"]
+            assert set(got["read_in_step"]) <= {not hook}, got["read_in_step"]
+            assert got["weight_decays"] == [0.0, 0.1], "groups with and without decay"
+            _check_updates(got["updates"], oracle, read_in_step=not hook)
+            for q in ("grads", "exp_avg", "exp_avg_sq"):
+                if q not in got:
+                    assert kind.startswith("sgd") and q.startswith("exp_avg")
+                    continue
+                i = QUANTITIES.index(q)
+                assert got[q]["total"] == pytest.approx(
+                    math.sqrt(sum(v[i] for v in oracle.values())), rel=REL
+                )
+                for pname, v in oracle.items():
+                    assert got[q]["per_param"][pname] == pytest.approx(
+                        math.sqrt(v[i]), rel=REL, abs=1e-12
+                    )
+
+
 def _native_fsdp2(mesh_shape: tuple[int, ...]) -> dict:
     """torch-native ``fully_shard`` with ``torch.optim.AdamW``: the same snapshots, of the
     DTensors' local shards, each counted once by the test's rule (coordinate 0 of every

@@ -182,10 +182,12 @@ class AdamRule(UpdateRule):
     def __init__(self, decoupled: Optional[bool] = None) -> None:
         self.decoupled = decoupled
 
-    def check(self, entry: Stepped) -> Optional[str]:
-        if entry.group.get("maximize", False):
-            return "maximize=True: its update is not derived by norm_optim"
-        return None
+    # ``maximize`` needs no term here: it negates the grad before the weight decay and the
+    # moments, and the update is then -step_size · m̂ / denom (+ the decoupled decay) from the
+    # stored moments, as without it (read in torch 2.13 and 2.14.1 ``optim/adam.py``:
+    # ``_single_tensor_adam`` ``grad = grads[i] if not maximize else -grads[i]``,
+    # ``_multi_tensor_adam`` ``torch._foreach_neg``, ``_fused_adam`` passes the flag to the
+    # kernel; ``AdamW`` of torch < 2.6, its own class, is the same loop with the decay decoupled).
 
     def _scalars(self, entry: Stepped) -> _AdamScalars:
         group, state = entry.group, entry.state
