@@ -457,6 +457,16 @@ def test_step_norms_against_the_snapshots(name: str) -> None:
 SWAPPED: dict[str, tuple[type, dict[str, Any]]] = {
     "adam-maximize": (torch.optim.Adam, dict(maximize=True, decoupled_weight_decay=False)),
     "adamw-maximize": (torch.optim.AdamW, dict(maximize=True, decoupled_weight_decay=True)),
+    "sgd-nesterov": (torch.optim.SGD, dict(momentum=0.9, dampening=0.0, nesterov=True)),
+    "sgd-nesterov-maximize": (
+        torch.optim.SGD,
+        dict(momentum=0.9, dampening=0.0, nesterov=True, maximize=True),
+    ),
+    # torch's foreach path leaves g + μ·buf in the grads of the groups without weight decay.
+    "sgd-nesterov-foreach": (
+        torch.optim.SGD,
+        dict(momentum=0.9, dampening=0.0, nesterov=True, foreach=True),
+    ),
 }
 
 
@@ -464,6 +474,8 @@ def _swapped_run(kind: str, hook: bool) -> list[dict]:
     """Two armed steps from the first one (SGD's first step creates its buffer) of megatron's
     optimizer (distributed for Adam, Float16 for SGD, as megatron builds them) whose inner torch
     optimizer is ``SWAPPED[kind]``; with ``hook``, a step pre-hook on it: derived."""
+    from norm_optim._megatron.rules import _nesterov_left_in_grads
+
     cls, flags = SWAPPED[kind]
     adam = issubclass(cls, torch.optim.Adam) or cls is torch.optim.AdamW
     init_parallel()
@@ -488,6 +500,7 @@ def _swapped_run(kind: str, hook: bool) -> list[dict]:
             {
                 "read_in_step": [r.read_in_step for r in _readers(optimizer)],
                 "oracle": probe.oracle(),
+                "left_in_grads": [_nesterov_left_in_grads(g) for g in groups if not adam],
                 "weight_decays": sorted({float(g["weight_decay"]) for g in groups}),
                 **_quantities(optimizer.step_norms()),
             }
@@ -508,6 +521,10 @@ def test_swapped_torch_optimizer_against_the_snapshots(kind: str, hook: bool) ->
             oracle = got["oracle"]
             assert set(got["read_in_step"]) <= {not hook}, got["read_in_step"]
             assert got["weight_decays"] == [0.0, 0.1], "groups with and without decay"
+            if kind == "sgd-nesterov-foreach":
+                assert any(got["left_in_grads"]) and not all(got["left_in_grads"])
+            else:
+                assert not any(got["left_in_grads"])
             _check_updates(got["updates"], oracle, read_in_step=not hook)
             for q in ("grads", "exp_avg", "exp_avg_sq"):
                 if q not in got:
@@ -1085,3 +1102,40 @@ def test_a_param_without_grad_is_not_stepped() -> None:
     )
     assert abs(float(s.updates.total) - expected) <= ulp
     assert float(s.grads.per_param["0.weight"]) == 0.0 and float(s.grads.total) > 0
+
+
+@pytest.mark.parametrize("path", ["default", "foreach", "fused"])
+def test_sgd_nesterov_is_derived_on_each_torch_path(path: str) -> None:
+    """torch's SGD on each of its paths, derived (a step hook registered), three Nesterov
+    groups (weight decay, maximize, neither) over three steps, the first creating the buffers.
+    The foreach path leaves g + μ·buf in the grads of the group with neither (an in-place add),
+    the others leave the grads as they were: checked on the torch that runs the test."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    flags = {} if path == "default" else {"foreach": path == "foreach", "fused": path == "fused"}
+    groups = [
+        {"params": model[0].parameters(), "weight_decay": 0.1},
+        {"params": model[1].parameters(), "maximize": True},
+        {"params": model[2].parameters()},
+    ]
+    try:
+        inner = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, **flags)
+    except RuntimeError as error:  # a torch without fused SGD on CPU
+        pytest.skip(str(error))
+    inner.register_step_pre_hook(lambda *args: None)
+    optimizer = NormAwareOptimizer(inner, model=model)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).square().sum().backward()
+        grad = model[2].weight.grad.clone()
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        optimizer.measure_next_step(per_param=True)
+        optimizer.step()
+        s = optimizer.step_norms()
+        assert [r.read_in_step for r in _readers(optimizer)] == [False]
+        assert torch.equal(model[2].weight.grad, grad) is (path != "foreach")
+        for name, p in model.named_parameters():
+            moved = math.sqrt(float((p.detach() - before[name]).double().square().sum()))
+            ulp = torch.nextafter(p.detach(), torch.tensor(math.inf)) - p.detach()
+            bound = math.sqrt(float(ulp.double().square().sum())) + UPDATE_ROUNDING * moved
+            assert abs(float(s.updates.per_param[name]) - moved) <= bound + 1e-12, name

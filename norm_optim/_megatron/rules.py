@@ -26,7 +26,7 @@ import math
 import struct
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Hashable, Optional, Union
+from typing import Any, Callable, Hashable, Optional, TypeVar, Union
 
 import torch
 
@@ -141,11 +141,14 @@ class UpdateRule(abc.ABC):
         """
 
 
+_Key = TypeVar("_Key", bound=Hashable)
+
+
 def _by_key(
-    entries: Sequence[Stepped], out: Sequence[torch.Tensor], key: Callable[[Stepped], Hashable]
-) -> list[tuple[Hashable, list[int]]]:
+    entries: Sequence[Stepped], out: Sequence[torch.Tensor], key: Callable[[Stepped], _Key]
+) -> list[tuple[_Key, list[int]]]:
     """Indices of ``entries`` grouped by ``key`` (one list operation per distinct key)."""
-    groups: dict[Hashable, list[int]] = defaultdict(list)
+    groups: dict[_Key, list[int]] = defaultdict(list)
     for i, entry in enumerate(entries):
         groups[key(entry)].append(i)
     return list(groups.items())
@@ -184,10 +187,13 @@ class AdamRule(UpdateRule):
 
     # ``maximize`` needs no term here: it negates the grad before the weight decay and the
     # moments, and the update is then -step_size · m̂ / denom (+ the decoupled decay) from the
-    # stored moments, as without it (read in torch 2.13 and 2.14.1 ``optim/adam.py``:
+    # stored moments, as without it. Read in torch 2.13 and 2.14.1 ``optim/adam.py``:
     # ``_single_tensor_adam`` ``grad = grads[i] if not maximize else -grads[i]``,
-    # ``_multi_tensor_adam`` ``torch._foreach_neg``, ``_fused_adam`` passes the flag to the
-    # kernel; ``AdamW`` of torch < 2.6, its own class, is the same loop with the decay decoupled).
+    # ``_multi_tensor_adam`` ``torch._foreach_neg(device_grads)``, both before the decay and
+    # the moments and nowhere after; ``_fused_adam`` hands the flag to its kernel (C++, not
+    # read: its steps are read in-step, derived only as the fallback). ``AdamW`` of torch < 2.6,
+    # its own class, runs the same loop with the decay decoupled (torch 2.5.1 not read here:
+    # the torch-floor tests run it).
 
     def _scalars(self, entry: Stepped) -> _AdamScalars:
         group, state = entry.group, entry.state
@@ -269,56 +275,123 @@ def _adam_updates(
 
 
 class SGDRule(UpdateRule):
-    """torch's SGD (momentum or none; not Nesterov: refused when the optimizer is built)."""
+    """torch's SGD: with momentum or none, Nesterov, ``maximize``, weight decay.
+
+    Read in torch 2.13 and 2.14.1 ``optim/sgd.py`` (``_single_tensor_sgd``,
+    ``_multi_tensor_sgd``, ``_fused_sgd``): ``d = ±g + wd·θ_b``; with momentum
+    ``buf = μ·buf + (1 − dampening)·d`` (``buf = d`` at its first step), then ``d = buf``, or
+    ``d = d + μ·buf`` with Nesterov; ``θ_a = θ_b − lr·d``. The buffer stored is the one after
+    the step, so dampening and the first step need no term of their own.
+    """
 
     name = "sgd"
     moments = ()
-    hyper_parameters = ("lr", "momentum", "weight_decay", "maximize", "nesterov")
+    hyper_parameters = (
+        "lr",
+        "momentum",
+        "weight_decay",
+        "maximize",
+        "nesterov",
+        "foreach",
+        "fused",
+    )
     reads_stored = True
 
     def stepped(self, entry: Stepped) -> bool:
         # SGD without momentum keeps no state: a tensor with a grad was stepped.
         return entry.grad is not None
 
-    def check(self, entry: Stepped) -> Optional[str]:
-        if entry.group.get("nesterov", False):
-            return "torch.optim.SGD with nesterov=True: its update is not derived by norm_optim"
-        return None
-
     def write_updates(self, entries: Sequence[Stepped], out: Sequence[torch.Tensor]) -> list[float]:
         factors = [0.0] * len(entries)
+        left_in_grads: dict[int, bool] = {}  # by param group (one look at its params each)
 
-        def key(i: int) -> tuple:
-            group = entries[i].group
-            buf = "momentum_buffer" in entries[i].state
-            return (
-                buf,
-                -1.0 if group.get("maximize", False) else 1.0,
-                group.get("weight_decay", 0),
+        def form(entry: Stepped) -> _SGDForm:
+            group = entry.group
+            if "momentum_buffer" not in entry.state:
+                return _SGDForm("terms", group.get("maximize", False), _weight_decay(group))
+            if not group.get("nesterov", False):
+                return _SGDForm("buffer")
+            if id(group) not in left_in_grads:
+                left_in_grads[id(group)] = _nesterov_left_in_grads(group)
+            if left_in_grads[id(group)]:
+                return _SGDForm("grad")
+            return _SGDForm(
+                "terms",
+                group.get("maximize", False),
+                _weight_decay(group),
+                float(group["momentum"]),
             )
 
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i in range(len(entries)):
-            groups[key(i)].append(i)
-        for (buf, sign, wd), index in groups.items():
+        for f, index in _by_key(entries, out, form):
             o = [out[i] for i in index]
-            if buf:  # Δ = −lr · buf (decay and maximize are inside it)
+            lrs = [float(entries[i].group["lr"]) for i in index]
+            if f.source == "buffer":  # Δ = −lr · buf (decay and maximize are inside it)
                 torch._foreach_copy_(o, [entries[i].state["momentum_buffer"] for i in index])
-                for i in index:
-                    factors[i] = -float(entries[i].group["lr"])
+                for i, lr in zip(index, lrs):
+                    factors[i] = -lr
                 continue
-            # θ_a = θ_b − lr·(±g + wd·θ_b), so Δ = −lr·(±g + wd·θ_a) / (1 − lr·wd).
             grads = [g for g in (entries[i].grad for i in index) if g is not None]
             assert len(grads) == len(o), "stepped() is only true for a tensor with a grad"
             torch._foreach_copy_(o, grads)
-            if sign < 0:
+            if f.source == "grad":  # Δ = −lr · d, the d the step left in the grad
+                for i, lr in zip(index, lrs):
+                    factors[i] = -lr
+                continue
+            # θ_a = θ_b − lr·(±g [+ μ·buf] + wd·θ_b), buf the one stored after the step, so
+            # Δ = −lr·(±g [+ μ·buf] + wd·θ_a) / (1 − lr·wd).
+            if f.maximize:
                 torch._foreach_neg_(o)
-            if wd:
-                torch._foreach_add_(o, [entries[i].held for i in index], alpha=float(wd))
-            for i in index:
-                lr = float(entries[i].group["lr"])
-                factors[i] = -lr / (1 - lr * float(wd))
+            if f.momentum:
+                bufs = [entries[i].state["momentum_buffer"] for i in index]
+                torch._foreach_add_(o, bufs, alpha=f.momentum)
+            if f.weight_decay:
+                held = [entries[i].held for i in index]
+                torch._foreach_add_(o, held, alpha=f.weight_decay)
+            for i, lr in zip(index, lrs):
+                factors[i] = -lr / (1 - lr * f.weight_decay)
         return factors
+
+
+@dataclasses.dataclass(frozen=True)
+class _SGDForm:
+    """How an SGD update is written, per distinct form (one set of list operations each):
+    ``−lr · momentum_buffer`` ("buffer"), ``−lr · grad`` where the step left its Nesterov
+    direction in the grad ("grad"), else ``−lr·(±g + μ·buf + wd·θ_a) / (1 − lr·wd)``
+    ("terms": ``momentum`` is μ with Nesterov, 0 without a buffer)."""
+
+    source: str
+    maximize: bool = False
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+
+
+def _weight_decay(group: dict) -> float:
+    return float(group.get("weight_decay", 0))
+
+
+def _nesterov_left_in_grads(group: dict) -> bool:
+    """Whether torch's SGD step left its Nesterov direction ``d = g + μ·buf`` in the grads of
+    ``group``'s params (then ``Δ = −lr · grad``), rather than leaving them as they were.
+
+    Read in torch 2.13 and 2.14.1 ``optim/sgd.py``: ``_multi_tensor_sgd`` adds ``μ·buf`` to
+    its grads in place (``torch._foreach_add_(device_grads, bufs, alpha=momentum)``), and they
+    are the params' own ``.grad`` unless ``maximize`` (``_foreach_neg``) or weight decay
+    (``_foreach_add``) made new tensors of them first; the single-tensor path makes new tensors
+    (``grad.add``), and the fused one leaves the grads on CPU (its kernel is C++, not read; the
+    test checks each path on the torch it runs). The path is the one
+    ``sgd()`` takes: the group's ``foreach`` / ``fused``, or where both are None, torch's own
+    default over the params with a grad (the same call, ``differentiable=False``). On CPU that
+    default is the single-tensor path; the foreach one is tested with ``foreach=True``.
+    """
+    if group.get("maximize", False) or group.get("weight_decay", 0):
+        return False
+    foreach, fused = group.get("foreach"), group.get("fused")
+    if foreach is None and fused is None:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        params = [p for p in group["params"] if p.grad is not None]
+        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return bool(foreach)
 
 
 # apex's and Transformer Engine's FusedAdam, by ``module.qualname`` (importing them needs CUDA),
