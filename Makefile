@@ -41,7 +41,9 @@ BRIDGE_STAMP := $(BRIDGE_VENV)/.norm_optim-installed
 # line, in a copy of the environment of its Python (.venv: 3.11, up to 0.16; .venv-latest: 3.12,
 # which 0.17 and later need) with megatron-core swapped, so torch is installed once per Python.
 # LEG_TESTS is what these legs run: the tests that read megatron-core (README, "Supported
-# megatron-core versions"); LEG_TESTS=tests runs the whole suite.
+# megatron-core versions"); LEG_TESTS=tests runs the whole suite. Not in it: test_harness.py
+# (under every other test already, 30-40 s a leg alone), test_counting_rule.py and
+# test_install_options.py (no megatron-core), test_megatron_fsdp_v2.py (main only), Bridge.
 LINES      := 0.14 0.15 0.17 0.18
 MCORE_0.14 := 0.14.0
 MCORE_0.15 := 0.15.3
@@ -58,7 +60,10 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_torch_fsdp2.py tests/test_sinks.py tests/test_mimo.py \
               tests/test_audit.py \
               tests/test_step_norms.py tests/test_step_norms_muon.py \
-              tests/test_step_norms_precision_aware.py tests/test_watch.py
+              tests/test_step_norms_precision_aware.py tests/test_watch.py \
+              tests/test_declarations.py tests/test_name_exchange.py tests/test_scale.py \
+              tests/test_remainders.py tests/test_example.py tests/test_gpu_check.py \
+              tests/test_watch_megatron_lm.py
 
 # The torch range: setup.cfg's floor and the newest torch pip installs, each with the tests that
 # read the optimizer's rule and state (TORCH_TESTS). The floor: a copy of .venv (Python 3.11) with
