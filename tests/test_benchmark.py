@@ -138,6 +138,7 @@ def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
         "in_step_scratch_bytes",
         "armed_minus_plain_peak_bytes",
         "reads_s",
+        "difference_s",
         "floor_step_s",
         "floor_over_plain",
         "armed_over_floor",
