@@ -692,7 +692,57 @@ def _step_rows(
             note=note,
         )
     )
+    rows.append(_watched_row(wrapped, plain, plain_s, label, device, opts, fields))
     return rows
+
+
+def _watched_row(
+    wrapped: Any,
+    step: Callable[[], Any],
+    plain_s: float,
+    label: str,
+    device: torch.device,
+    opts: Options,
+    fields: dict[str, Any],
+) -> Row:
+    """A watched ``step()`` against the plain one, and on CUDA whether the watch's read of the
+    grads synchronizes the host (CUDA's sync debug mode set to raise inside that read only:
+    Megatron's own step reads its grad norm on the host)."""
+    from norm_optim._step import WatchedGrads
+
+    what = "watched step()"
+    original = WatchedGrads.grads_ready
+
+    def strict(self: Any) -> None:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            original(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    syncs = "host syncs in the watch's read not checked (no CUDA)"
+    try:
+        wrapped.watch()
+        try:
+            with torch.no_grad():
+                step()  # the first watched step builds its reads
+                watched_s = median_seconds(step, device, opts)
+                if device.type == "cuda":
+                    WatchedGrads.grads_ready = strict  # type: ignore[method-assign]
+                    try:
+                        step()
+                        syncs = "no host sync in the watch's read"
+                    except RuntimeError as error:
+                        syncs = f"the watch's read synced the host: {_first_line(error)}"
+                    finally:
+                        WatchedGrads.grads_ready = original  # type: ignore[method-assign]
+        finally:
+            wrapped.unwatch()
+    except Exception as error:
+        return row("megatron", what, note=f"{label}; error: {_first_line(error)}")
+    note = f"{label}; plain step {plain_s * 1e3:.3g} ms ({watched_s / plain_s:.2f}x); {syncs}"
+    return row("megatron", what, **fields, median_ms=watched_s * 1e3, note=note)
 
 
 def megatron_section(device: torch.device, cfg_fields: dict[str, Any], opts: Options) -> list[Row]:

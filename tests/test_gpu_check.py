@@ -255,3 +255,7 @@ def test_cpu_dry_run_writes_the_table(tmp_path: pathlib.Path) -> None:
     assert all("extra aten ops per param tensor" in r["note"] for r in steps), steps
     audits = [r for r in rows if r["what"] == "audit()"]
     assert len(audits) == 2 and all(" ok: 0 findings" in r["note"] for r in audits), audits
+    # A watched step on each: timed; whether its grads read syncs the host is CUDA's to say.
+    watched = [r for r in rows if r["what"] == "watched step()"]
+    assert len(watched) == 2 and all(r["median_ms"] > 0 for r in watched), watched
+    assert all("not checked (no CUDA)" in r["note"] for r in watched), watched
