@@ -10,6 +10,7 @@ import torch
 
 from norm_optim._kernels import DeviceIndices, SumOfSquaresPlan
 from norm_optim._kernels.rows import ROW
+from tests.support.dispatch import host_made
 
 
 def _reference(tensors, slots, num_slots):
@@ -224,23 +225,6 @@ def test_cuda_and_cpu_offloaded_mixed():
     _assert_close(cpu_out, out.cpu(), rtol=1e-12)
 
 
-def _host_made(fn):
-    """(fn's result, how many tensors it made from host data: ``torch.tensor`` is
-    ``aten.lift_fresh``; towards a GPU each is a copy from pageable memory that stalls the host)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        made = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.made += func is torch.ops.aten.lift_fresh.default
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        result = fn()
-    return result, Count.made
-
-
 def test_plans_rebuilt_over_one_layout_share_their_index_tensors():
     """A step's grads are new tensor objects each step, so their plan is rebuilt each step: with
     one ``DeviceIndices`` the rebuilt plan makes no index tensor again (none would be copied to a
@@ -255,14 +239,14 @@ def test_plans_rebuilt_over_one_layout_share_their_index_tensors():
         sums = SumOfSquaresPlan(tensors, slots, 3, indices=indices)()
         return sums, _reference(tensors, slots, 3)
 
-    (first, want), made = _host_made(build_and_sum)
+    (first, want), made = host_made(build_and_sum)
     assert made > 0 and 0 < len(indices) <= 4
     _assert_close(first, want)
-    (again, want), made = _host_made(build_and_sum)
+    (again, want), made = host_made(build_and_sum)
     assert made == 0, "a plan over the same layout made its index tensors again"
     _assert_close(again, want)
     other = [torch.randn(s, generator=g) for s in [(17,), (5, 5)]]
-    _, made = _host_made(lambda: SumOfSquaresPlan(other, [2, 0], 3, indices=indices)())
+    _, made = host_made(lambda: SumOfSquaresPlan(other, [2, 0], 3, indices=indices)())
     assert made > 0 and len(indices) <= 4
     values = indices([1, 2, 3], torch.device("cpu"))
     assert indices([1, 2, 3], torch.device("cpu")) is values

@@ -26,6 +26,7 @@ from norm_optim._watch import RollingStats
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
+from tests.support.dispatch import host_made
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 SEED = 7
@@ -233,28 +234,16 @@ def _host_made_per_read() -> dict[str, list[int]]:
     a copy from pageable memory, which stalls the host) inside the reads of four watched steps,
     the last four armed (two total-only, two per-param): the watch's grads, the armed step's
     grads, and everything it sums after the step (weights, moments, the packet)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from norm_optim._step import StepMeasurement, WatchedGrads
 
     made: dict[str, list[int]] = {"watch": [], "armed grads": [], "armed after": []}
-
-    class Count(TorchDispatchMode):
-        def __init__(self, key: str) -> None:
-            super().__init__()
-            self.key, self.n = key, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.n += func is torch.ops.aten.lift_fresh.default
-            return func(*args, **(kwargs or {}))
 
     def counted(cls: type, name: str, key: str) -> None:
         original = getattr(cls, name)
 
         def run(self: Any, *args: Any) -> Any:
-            with Count(key) as count:
-                result = original(self, *args)
-            made[key].append(count.n)
+            result, n = host_made(lambda: original(self, *args))
+            made[key].append(n)
             return result
 
         setattr(cls, name, run)
