@@ -145,7 +145,7 @@ _Key = TypeVar("_Key", bound=Hashable)
 
 
 def _by_key(
-    entries: Sequence[Stepped], out: Sequence[torch.Tensor], key: Callable[[Stepped], _Key]
+    entries: Sequence[Stepped], key: Callable[[Stepped], _Key]
 ) -> list[tuple[_Key, list[int]]]:
     """Indices of ``entries`` grouped by ``key`` (one list operation per distinct key)."""
     groups: dict[_Key, list[int]] = defaultdict(list)
@@ -322,7 +322,7 @@ class SGDRule(UpdateRule):
                 float(group["momentum"]),
             )
 
-        for f, index in _by_key(entries, out, form):
+        for f, index in _by_key(entries, form):
             o = [out[i] for i in index]
             lrs = [float(entries[i].group["lr"]) for i in index]
             if f.source == "buffer":  # Δ = −lr · buf (decay and maximize are inside it)
