@@ -708,6 +708,7 @@ def _watched_row(
     """A watched ``step()`` against the plain one, and on CUDA whether the watch's read of the
     grads synchronizes the host (CUDA's sync debug mode set to raise inside that read only:
     Megatron's own step reads its grad norm on the host)."""
+    from norm_optim._patching import Patch, patches_applied
     from norm_optim._step import WatchedGrads
 
     what = "watched step()"
@@ -729,14 +730,12 @@ def _watched_row(
                 step()  # the first watched step builds its reads
                 watched_s = median_seconds(step, device, opts)
                 if device.type == "cuda":
-                    WatchedGrads.grads_ready = strict  # type: ignore[method-assign]
                     try:
-                        step()
+                        with patches_applied([Patch(WatchedGrads, "grads_ready", strict)]):
+                            step()
                         syncs = "no host sync in the watch's read"
                     except RuntimeError as error:
                         syncs = f"the watch's read synced the host: {_first_line(error)}"
-                    finally:
-                        WatchedGrads.grads_ready = original  # type: ignore[method-assign]
         finally:
             wrapped.unwatch()
     except Exception as error:
