@@ -106,7 +106,10 @@ class TorchCommunicator:
         if not self.is_distributed():
             return Done()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return work if async_op else Done()
+        if not async_op:
+            return Done()
+        assert work is not None, "an async all_reduce returns its work"
+        return work
 
     def all_reduce(self, tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> None:
         if not self.is_distributed():
