@@ -6,8 +6,10 @@ just more slots in the same all-reduced vector: the breakdowns cost no extra col
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
@@ -115,6 +117,7 @@ class _Rollup:
 
     index: dict[str, int]  # group name -> position
     groups: torch.Tensor  # the group of each per-param slot; len(index) for none (dropped)
+    host: tuple[int, ...] = ()  # the same groups on the host (for plans built from them)
 
     @classmethod
     def of(
@@ -124,10 +127,8 @@ class _Rollup:
         index = {
             k: g for g, k in enumerate(sorted({k for k in keys if k is not None}, key=natural_key))
         }
-        groups = torch.tensor(
-            [len(index) if k is None else index[k] for k in keys], dtype=torch.long, device=device
-        )
-        return cls(index, groups)
+        host = tuple(len(index) if k is None else index[k] for k in keys)
+        return cls(index, torch.tensor(host, dtype=torch.long, device=device), host)
 
     def norms(self, squares: torch.Tensor) -> NamedNorms:
         """The groups' norms from the per-param sums of squares (no copy of them)."""
@@ -170,6 +171,41 @@ class PendingNorms:
             norms = squares.sqrt_()  # the reduced vector is the result: no second one
             self._result = ParamNorms(total, norms[DENSE], norms[EXPERT], **rollups)
         return self._result
+
+
+class _KeptPlans:
+    """The last few plans of :meth:`NormReducer.local_squares`, each with weak references to
+    the tensor objects it was laid out for: a plan is reused only for the very same objects
+    (a dead reference never matches, so a recycled ``id`` cannot alias)."""
+
+    CAPACITY = 4
+
+    def __init__(self) -> None:
+        self._kept: collections.OrderedDict[Any, tuple[list[Any], SumOfSquaresPlan]] = (
+            collections.OrderedDict()
+        )
+
+    @staticmethod
+    def _key(per_param: bool, quantities: int, tensors: Sequence[Any]) -> Any:
+        return (per_param, quantities, tuple(id(t) for t in tensors))
+
+    def get(
+        self, per_param: bool, quantities: int, tensors: Sequence[Any]
+    ) -> Optional[SumOfSquaresPlan]:
+        key = self._key(per_param, quantities, tensors)
+        found = self._kept.get(key)
+        if found is None or any(ref() is not t for ref, t in zip(found[0], tensors)):
+            return None
+        self._kept.move_to_end(key)
+        return found[1]
+
+    def keep(
+        self, per_param: bool, quantities: int, tensors: Sequence[Any], plan: SumOfSquaresPlan
+    ) -> None:
+        refs = [weakref.ref(t) for t in tensors]
+        self._kept[self._key(per_param, quantities, tensors)] = (refs, plan)
+        while len(self._kept) > self.CAPACITY:
+            self._kept.popitem(last=False)
 
 
 def named_records(registry: ParamRegistry) -> list[ParamRecord]:
@@ -247,6 +283,7 @@ class NormReducer:
         self._slots: Optional[_PerParamSlots] = None
         self._kinds = torch.empty(0, dtype=torch.long)
         self._step_plans: dict[bool, Any] = {}
+        self._kept_plans = _KeptPlans()
 
     def step_plan(self, per_param: bool, build: Callable[["NormReducer", bool], T]) -> T:
         """The step plan of this registry (:class:`norm_optim._step.StepPlan`), built by
@@ -287,10 +324,12 @@ class NormReducer:
         optimizer state), one vector per quantity, concatenated: ``quantity[i]`` belongs to
         ``registry.counted[i]`` (None: nothing).
 
-        One plan built for this call (these tensors may be new objects at every step) over all
-        the quantities, with the weights' slots (offset per quantity) and the same kernels; its
-        index tensors are the reducer's (:attr:`indices`), so a call over the same layout as
-        an earlier one copies nothing to the device.
+        One plan over all the quantities, with the weights' slots (offset per quantity) and the
+        same kernels, kept while the same tensor objects come back (an optimizer's moments do,
+        step after step: laying a plan out costs a few ops per tensor, calling it a few per
+        block); tensors that are new objects at every step (a step's grads may be) get a new
+        plan. Its index tensors are the reducer's (:attr:`indices`), so a call over the same
+        layout as an earlier one copies nothing to the device.
         """
         slots, n = self.counted_slots(per_param), self.num_slots(per_param)
         kept = [
@@ -299,13 +338,17 @@ class NormReducer:
             for t, s in zip(tensors, slots)
             if t is not None
         ]
-        plan = SumOfSquaresPlan(
-            [t for t, _ in kept],
-            [s for _, s in kept],
-            num_slots=n * len(quantities),
-            out_device=self.device,
-            indices=self.indices,
-        )
+        tensors = [t for t, _ in kept]
+        plan = self._kept_plans.get(per_param, len(quantities), tensors)
+        if plan is None:
+            plan = SumOfSquaresPlan(
+                tensors,
+                [s for _, s in kept],
+                num_slots=n * len(quantities),
+                out_device=self.device,
+                indices=self.indices,
+            )
+            self._kept_plans.keep(per_param, len(quantities), tensors, plan)
         squares = plan()
         if per_param:
             for part in squares.split(n):

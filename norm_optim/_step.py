@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ._comm import Done, Work
+from ._bound_grads import BoundGrads
 from ._errors import NormOptimError, UnsupportedOptimizerError
 from ._kernels import SumOfSquaresPlan
 from ._megatron.descriptor import clip_group_of, separate_clip_groups
@@ -31,7 +32,7 @@ from ._megatron.in_step import StepReader
 from ._megatron.rules import Counted, Stepped
 from ._megatron.step_state import run_step
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
-from ._watch import Watch
+from ._watch import Watch, JudgedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +183,15 @@ class StepPlan:
             for optimizer, entries, own in by_optimizer.values()
         ]
         self._squares: Optional[torch.Tensor] = None
+        # The step's grads, through views of the buffers they live in (as the watch reads them).
+        self.bound_grads = BoundGrads(
+            self.entries,
+            [r.param for r in records],
+            slots,
+            self.num_slots,
+            self.device,
+            self._indices,
+        )
 
     def _clip_groups(self, reducer: NormReducer, records: Sequence[Any]) -> None:
         """The separately clipped groups some rank holds a param of (one small all-reduce, here
@@ -305,10 +315,10 @@ class StepMeasurement:
         )
 
     def _grad_squares(self) -> torch.Tensor:
-        grads = self.plan.grads()
         if self.plan.clip_groups:
-            self._clip_group_squares = self.plan.clip_group_squares(grads)
-        return self.reducer.local_squares(grads, per_param=self.per_param)
+            self._clip_group_squares = self.plan.clip_group_squares(self.plan.grads())
+        squares = self.plan.bound_grads()[: self.plan.num_slots]  # the last: no reader's
+        return self.reducer.fold(squares) if self.per_param else squares
 
     def _update_squares(self) -> torch.Tensor:
         """Sums of squares of the updates (zero for a skipped step): read in the step or
@@ -328,13 +338,13 @@ class StepMeasurement:
 class WatchedGrads:
     """What a watched step sums: its grads (unscaled, before clipping), per param, in one
     all-reduce of the per-param slot vector, judged by the :class:`~norm_optim._watch.Watch`
-    on the device. Built once per reducer (the step state maps the same tensors until the
-    registry is rebuilt).
+    on the device. Built once per reducer; the grads are read through views of the buffers
+    they live in (:class:`~norm_optim._bound_grads.BoundGrads`), bound at the first watched
+    step, so a step's ops do not grow with the number of params.
 
     Args:
         reducer: the wrapper's current reducer (its per-param slots: the names exchange runs
             at the first watched step, on every rank).
-        optimizer: the wrapped optimizer.
         watch: the judge.
     """
 
@@ -343,7 +353,7 @@ class WatchedGrads:
         # Only the grads are read: any leaf whose stepped tensors the descriptor knows serves,
         # whether or not its update rule is one step norms derive.
         descriptor = reducer.registry.descriptor
-        self._entries: list[Optional[Stepped]] = []
+        entries: list[Optional[Stepped]] = []
         for record in reducer.registry.counted:
             entry = None if record.source.is_frozen else descriptor.stepped(record.tensor)
             if entry is None and not record.source.is_frozen:
@@ -351,24 +361,34 @@ class WatchedGrads:
                     f"the watch reads the grad of each fp32 tensor the optimizer steps; the one "
                     f"norm_optim holds for {record.name!r} is not a tensor any leaf steps"
                 )
-            self._entries.append(entry)
-        self._verdict: Optional[torch.Tensor] = None
+            entries.append(entry)
         reducer.num_slots(True)  # the per-param slots (names exchange) before the first step
+        self.grads = BoundGrads(
+            entries,
+            [r.param for r in reducer.registry.counted],
+            reducer.counted_slots(True),
+            reducer.num_slots(True),
+            reducer.device,
+            reducer.indices,
+        )
+        self._judged: Optional[JudgedStep] = None
 
     def grads_ready(self) -> None:
         """Sum, reduce and judge the grads (on the device: no host sync)."""
         reducer = self.reducer
-        grads = [None if e is None else e.grad for e in self._entries]
-        squares = reducer.local_squares(grads, per_param=True)
+        # The per-param slots and one more (what lies between bound grads), reduced whole: a
+        # slice would be one more op, and no reader looks at that slot.
+        squares = self.grads()
         reducer.comm.all_reduce_sum(squares, reducer.group, async_op=False).wait()
-        self._verdict = self.watch.judge_grads(squares, reducer.per_param_slots, reducer.device)
+        self._judged = self.watch.judge_grads(squares, reducer.per_param_slots, reducer.device)
 
     def veto(self) -> bool:
         """With ``skip``, whether this step must not be applied: the verdict read on the host
         (the watch's one host read, after the step's own)."""
-        if not self.watch.config.skip or self._verdict is None:
+        judged, self._judged = self._judged, None
+        if not self.watch.config.skip or judged is None:
             return False
-        skip, self._verdict = bool(self._verdict), None
+        skip = bool(judged.verdict(self.watch.config.k))
         if skip:
             self.watch.mark_skipped()
         return skip

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ._kernels.indices import to_device
 
 LOGGER = logging.getLogger("norm_optim.watch")
 """Where alarms are said (one line each, starting ``norm_optim watch:``)."""
@@ -152,11 +153,22 @@ class RollingStats:
 
     Non-finite values are never pushed (they would poison the window): they are judged (as
     non-finite) and replaced by the mean in the window.
+
+    A judgement is the same dozen ops for any ``n``: the value, mean, σ and excess are the rows
+    of one matrix (:attr:`columns`) written in place, and every view a judgement reads is made
+    here, once. They are overwritten by the next judgement: keep a copy of what must outlive it.
     """
 
     def __init__(self, n: int, config: WatchConfig, device: torch.device) -> None:
         self.config = config
         self._values = torch.zeros((config.window, n), dtype=torch.float64, device=device)
+        self._rows = self._values.unbind(0)
+        self._filled = [self._values[:k] for k in range(config.window + 1)]
+        self.columns = torch.zeros((4, n), dtype=torch.float64, device=device)
+        """Rows: the value judged (:attr:`x`), the window's mean and σ before it, its excess."""
+        self.x, self.mean, self.std, self.excess = self.columns.unbind(0)
+        self.non_finite = torch.zeros(n, dtype=torch.bool, device=device)
+        """Where the last value judged was not finite (a new tensor at each judgement)."""
         self._seen = 0  # values pushed so far: a host count, the same on every rank
 
     @property
@@ -164,24 +176,34 @@ class RollingStats:
         """Whether enough values were seen for a verdict (a host decision: no sync)."""
         return self._seen >= self.config.warmup
 
-    def judge(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(excess, mean, σ) of ``x`` against the window before it; the excess is 0 until warm
-        and +inf where ``x`` is not finite. Then ``x`` joins the window."""
+    def judge(
+        self, x: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(excess, mean, σ) of ``x`` (default: the values already written into :attr:`x`)
+        against the window before it; the excess is 0 until warm and +inf where ``x`` is not
+        finite. Then ``x`` joins the window."""
+        if x is not None:
+            self.x.copy_(x)
         filled = min(self._seen, self.config.window)
         if filled >= 2:
-            var, mean = torch.var_mean(self._values[:filled], dim=0, correction=1)
-            std = var.sqrt_()
+            var, mean = torch.var_mean(self._filled[filled], dim=0, correction=1)
+            torch.sqrt(var, out=self.std)
+            self.mean.copy_(mean)
         else:
-            mean = self._values[0] if filled else torch.zeros_like(x)
-            std = torch.zeros_like(x)
-        floor = torch.maximum(std, mean.abs() * self.config.min_rel_std).clamp_min_(1e-300)
-        finite = torch.isfinite(x)
-        excess = torch.where(finite, (x - mean) / floor, torch.full_like(x, math.inf))
-        if not self.warm:
-            excess = torch.where(finite, torch.zeros_like(x), excess)
-        self._values[self._seen % self.config.window] = torch.where(finite, x, mean)
+            self.mean.copy_(self._rows[0]) if filled else self.mean.zero_()
+            self.std.zero_()
+        non_finite = torch.ne(self.x * 0, 0)  # x·0 is NaN exactly where x is NaN or ±inf
+        torch.sub(self.x, self.mean, out=self.excess)
+        if self.warm:
+            floor = torch.maximum(self.std, self.mean.abs().mul_(self.config.min_rel_std))
+            self.excess.div_(floor.clamp_min_(1e-300))
+        else:
+            self.excess.zero_()
+        self.excess.masked_fill_(non_finite, math.inf)
+        torch.where(non_finite, self.mean, self.x, out=self._rows[self._seen % self.config.window])
         self._seen += 1
-        return excess, mean, std
+        self.non_finite = non_finite
+        return self.excess, self.mean, self.std
 
 
 # The columns of one step's summary (float64, on the device): read in one transfer at poll().
@@ -205,6 +227,72 @@ class _Signals:
         return f"{GRADS}/param/{self.params[i - 1 - len(self.layers)]}"
 
 
+@dataclasses.dataclass(frozen=True)
+class JudgedStep:
+    """What one watched step keeps until poll(): the value, mean, σ and excess of the judged
+    signal with the largest excess (4 × 1), that signal, the layer and the param with the
+    largest excess (1-element tensors, or None), where the grads were not finite."""
+
+    at_best: torch.Tensor
+    best: torch.Tensor
+    layer: Optional[torch.Tensor]
+    param: Optional[torch.Tensor]
+    non_finite: torch.Tensor
+    skipped: bool = False
+
+    def verdict(self, k: float) -> torch.Tensor:
+        """Whether the step spiked or had non-finite grads: a 0-dim bool tensor on the device
+        (a non-finite grad makes the total non-finite, and its excess +inf)."""
+        return self.at_best[3, 0] > k
+
+    def summary(self, k: float, n_layers: int) -> torch.Tensor:
+        """The step's summary row (at poll: the step itself makes none)."""
+        at = self.at_best.view(4)
+        non_finite = self.non_finite[1 + n_layers :].any()
+        flags = torch.stack([(at[3] > k) | non_finite, non_finite]).double()
+        none = torch.full((1,), -1.0, dtype=torch.float64, device=at.device)
+        named = [none if t is None else t.double() for t in (self.layer, self.param)]
+        return torch.cat([flags, self.best.double(), at, *named])
+
+
+class _GradsSignals:
+    """The grads signals of one per-param slot layout, from a step's reduced sums of squares:
+    which slots add into the total, each layer and each param (one ``index_add``), their
+    rolling statistics, and the views of the excess the verdict reads; all made once."""
+
+    def __init__(self, slots: Any, config: WatchConfig, device: torch.device) -> None:
+        self.signals = _Signals(tuple(slots.layers.index), tuple(slots.index))
+        n_layers, n_params = len(self.signals.layers), len(self.signals.params)
+        source, target = [], []
+        for p, layer in enumerate(slots.layers.host):
+            slot = 2 + p  # after the dense and expert slots of the reduced vector
+            wanted = [0, 1 + n_layers + p] + ([1 + layer] if layer < n_layers else [])
+            source += [slot] * len(wanted)
+            target += wanted
+        self._source = to_device(source, torch.long, device)
+        self._target = to_device(target, torch.long, device)
+        self.stats = RollingStats(1 + n_layers + n_params, config, device)
+        self._zeros = torch.zeros_like(self.stats.x)
+        excess = self.stats.excess
+        self._judged = excess[: 1 + n_layers]  # the total and the layers alarm
+        self._layers = excess[1 : 1 + n_layers] if n_layers else None
+        self._params = excess[1 + n_layers :] if n_params else None
+
+    def __call__(self, squares: torch.Tensor) -> JudgedStep:
+        x = self.stats.x
+        torch.index_add(self._zeros, 0, self._target, squares.index_select(0, self._source), out=x)
+        x.sqrt_()
+        self.stats.judge()
+        best = self._judged.argmax(0, keepdim=True)
+        return JudgedStep(
+            self.stats.columns.index_select(1, best),
+            best,
+            None if self._layers is None else self._layers.argmax(0, keepdim=True),
+            None if self._params is None else self._params.argmax(0, keepdim=True),
+            self.stats.non_finite,
+        )
+
+
 class Watch:
     """The watch of one :class:`~norm_optim.NormAwareOptimizer` (see the module docstring).
 
@@ -216,15 +304,14 @@ class Watch:
     def __init__(self, config: WatchConfig, arm: Callable[[], None]) -> None:
         self.config = config
         self._arm = arm
-        self._grads: Optional[RollingStats] = None
-        self._signals: Optional[_Signals] = None
-        self._key: Any = None  # the reducer's per-param slots the grads stats were built for
+        self._grads: Optional[_GradsSignals] = None
+        self._key: Any = None  # the reducer's per-param slots the grads signals were built for
         self._loss: Optional[RollingStats] = None
         self._ratios: Optional[RollingStats] = None
         self._ratio_names: tuple[str, ...] = ()
         # What is not polled yet is bounded, whatever the run's length: poll at least once per
-        # window, or the oldest steps are dropped. Steps: (summary, non-finite mask, skipped).
-        self._pending: collections.deque = collections.deque(maxlen=config.window)
+        # window, or the oldest steps are dropped.
+        self._pending: collections.deque[JudgedStep] = collections.deque(maxlen=config.window)
         # Loss / ratio summaries, at most one of each per step: (summary, signal, step).
         self._extra: collections.deque[tuple[torch.Tensor, str, int]] = collections.deque(
             maxlen=2 * config.window
@@ -236,43 +323,22 @@ class Watch:
 
     # ------------------------------------------------------------ grads, every step
 
-    def judge_grads(self, squares: torch.Tensor, slots: Any, device: torch.device) -> torch.Tensor:
+    def judge_grads(self, squares: torch.Tensor, slots: Any, device: torch.device) -> "JudgedStep":
         """From the all-reduced per-param sums of squares of a step's grads (dense, expert,
-        then one slot per param name): judge every grads signal, queue the step's summary, and
-        return the verdict as a 0-dim bool tensor on the device (no host sync)."""
+        then one slot per param name; any slot after those is ignored): judge every grads
+        signal and queue what poll() reads, on the device (no host sync). The same two dozen
+        ops whatever the number of params; the summary is made at poll()."""
         self.steps += 1
-        if self._signals is None or self._key is not slots:
-            params = tuple(slots.index)
-            layers = tuple(slots.layers.index)
-            self._signals = _Signals(layers, params)
-            self._grads = RollingStats(1 + len(layers) + len(params), self.config, device)
+        if self._grads is None or self._key is not slots:
+            self._grads = _GradsSignals(slots, self.config, device)
             self._key = slots
-        tail = squares[2:]
-        layer_squares = tail.new_zeros(len(self._signals.layers) + 1).index_add_(
-            0, slots.layers.groups, tail
-        )[:-1]
-        x = torch.cat([squares[:2].sum().reshape(1), layer_squares, tail]).sqrt_()
-        assert self._grads is not None
-        excess, mean, std = self._grads.judge(x)
-        non_finite = ~torch.isfinite(tail)
-        # What alarms: the total and each layer. A param's grads norm alone is too noisy a
-        # signal (a layernorm's can triple from one batch to the next); it names the param.
-        n_layers = len(self._signals.layers)
-        judged = slice(0, 1 + n_layers)
-        summary = self._summary(
-            excess[judged], x[judged], mean[judged], std[judged], non_finite.any()
-        )
-        if n_layers:
-            summary[_LAYER] = excess[1 : 1 + n_layers].argmax()
-        if len(tail):
-            summary[_PARAM] = excess[1 + n_layers :].argmax()
-        self._pending.append((summary, non_finite, False))
-        return summary[_FLAG] > 0
+        judged = self._grads(squares)
+        self._pending.append(judged)
+        return judged
 
     def mark_skipped(self) -> None:
         """The last judged step was not applied."""
-        summary, non_finite, _ = self._pending[-1]
-        self._pending[-1] = (summary, non_finite, True)
+        self._pending[-1] = dataclasses.replace(self._pending[-1], skipped=True)
 
     def _summary(
         self,
@@ -342,13 +408,18 @@ class Watch:
             return ()
         last = self.steps if iteration is None else int(iteration)
         offset = last - self.steps
-        rows = torch.stack([s for s, _, _ in pending] + [s for s, _, _ in extra]).tolist()
+        summaries = []
+        if pending:
+            assert self._grads is not None
+            n_layers = len(self._grads.signals.layers)
+            summaries = [g.summary(self.config.k, n_layers) for g in pending]
+        rows = torch.stack(summaries + [s for s, _, _ in extra]).tolist()
         alarms: list[Alarm] = []
-        for i, (row, (_, non_finite, skipped)) in enumerate(zip(rows, pending)):
+        for i, (row, grads) in enumerate(zip(rows, pending)):
             if not row[_FLAG]:
                 continue
             step = self.steps - len(pending) + 1 + i + offset
-            alarms.append(self._grads_alarm(step, row, non_finite, skipped))
+            alarms.append(self._grads_alarm(step, row, grads))
         for row, (_, signal, step) in zip(rows[len(pending) :], extra):
             if row[_FLAG]:
                 name = signal
@@ -363,15 +434,13 @@ class Watch:
             self._arm()
         return self.last_alarms
 
-    def _grads_alarm(
-        self, step: int, row: list[float], non_finite: torch.Tensor, skipped: bool
-    ) -> Alarm:
-        signals = self._signals
-        assert signals is not None
+    def _grads_alarm(self, step: int, row: list[float], grads: JudgedStep) -> Alarm:
+        assert self._grads is not None
+        signals = self._grads.signals
         names: tuple[str, ...] = ()
         count = 0
         if row[_NON_FINITE]:
-            where = non_finite.nonzero().flatten()
+            where = grads.non_finite[1 + len(signals.layers) :].nonzero().flatten()
             count = int(where.numel())
             names = tuple(signals.params[int(j)] for j in where[: self.config.max_names])
         param = signals.params[int(row[_PARAM])] if row[_PARAM] >= 0 else None
@@ -384,7 +453,7 @@ class Watch:
             param=param,
             non_finite=names,
             non_finite_count=count,
-            skipped=skipped,
+            skipped=grads.skipped,
         )
 
 

@@ -16,6 +16,8 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
   (``θ_after − θ_before`` per tensor, at the optimizer's own per-param hooks).
 - :mod:`.precision_aware` — Transformer Engine's ``FusedAdam`` with master weights (the
   precision-aware optimizer): its update derived from what its step reads.
+- :mod:`.grad_buffers` — whether a step's grad is a view of the DDP grad buffer that holds its
+  param's ``main_grad`` (what the watch binds its read to, once).
 - :mod:`.step_state` — :func:`run_step`: inside one ``step()``, when the grads are ready, the
   watch's veto, and whether the step was applied (every release's ``prepare_grads`` /
   ``step_with_ready_grads``).

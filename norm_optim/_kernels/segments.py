@@ -1,0 +1,248 @@
+"""Per-slot sums of squares of segments of flat buffers, in a fixed number of ops per call:
+:class:`SegmentedSquares`.
+
+Megatron's DDP keeps every grad in a few flat buffers (per dtype, dense and expert), and the
+``.grad`` of each fp32 main the optimizer steps is a view into one of them (the whole param, or
+this rank's shard). Summing those views one by one costs a few ops per tensor; here the plan is
+laid out once over the buffers, and a call is the same short list of ops for 100 or 10,000
+segments. Every sum is of fp32 row norms over short rows (accurate on CPU, where a
+whole-tensor norm is not, see :mod:`.rows`), squared and added into the slots in float64:
+
+* each stretch of a buffer that holds segments (segments closer than :data:`MERGE_GAP` share
+  one) is viewed in place as rows of :data:`ROW` elements: one row-norm op per stretch;
+* the rows a segment boundary crosses (and a stretch's tail shorter than a row) are copied into
+  one buffer (one ``index_select`` per stretch), viewed as fine rows of :data:`FINE` elements:
+  one row-norm op for all of them;
+* the fine rows a boundary crosses are copied once per segment piece they hold, masked to that
+  piece and normed: three ops for all of them;
+* one ``index_add`` sends every row's float64 square to its segment's slot.
+
+Rows that lie in no segment, or across a boundary, go to the last slot,
+:attr:`SegmentedSquares.dropped` (padding, other ranks' shards, params not counted here), which no
+reader looks at: a NaN there is harmless. Everything a call reads is made at build time (views,
+index tensors, masks, the buffers it writes into), so a call makes nothing on the host and copies
+nothing to the device.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .indices import to_device
+
+# Row length: each row norm accumulates this many fp32 squares (rows.VIEW_ROW: ~1.5e-7
+# relative on bf16-valued data); a boundary row costs ROW fp32 elements of the kept buffer.
+ROW = 1024
+
+# Fine row length, inside the rows a boundary crosses (a divisor of ROW).
+FINE = 32
+
+# Segments of one buffer at most this many elements apart are summed as one stretch: reading
+# the gap (into the dropped slot) is cheaper than more ops.
+MERGE_GAP = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Elements ``[offset, offset + numel)`` of a flat buffer, summed into ``slot``."""
+
+    offset: int
+    numel: int
+    slot: int
+
+
+def _end(s: Segment) -> int:
+    return s.offset + s.numel
+
+
+def _stretches(segments: Sequence[Segment]) -> list[list[Segment]]:
+    """A buffer's segments (non-overlapping, any order) in stretches, by offset."""
+    groups: list[list[Segment]] = []
+    for s in sorted((s for s in segments if s.numel), key=lambda s: s.offset):
+        if groups and s.offset - _end(groups[-1][-1]) <= MERGE_GAP:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+class _Slots:
+    """Where each element of a stretch belongs: the slot of the segment holding it, or none."""
+
+    def __init__(self, segments: Sequence[Segment], dropped: int) -> None:
+        self._starts = [s.offset for s in segments]
+        self._segments = segments
+        self.dropped = dropped
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """The segment parts in ``[lo, hi)``: (start, end, slot), in order."""
+        k = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        out = []
+        while k < len(self._segments) and self._segments[k].offset < hi:
+            s = self._segments[k]
+            start, end = max(s.offset, lo), min(_end(s), hi)
+            if start < end:
+                out.append((start, end, s.slot))
+            k += 1
+        return out
+
+    def of(self, lo: int, hi: int) -> Optional[int]:
+        """The slot of a row ``[lo, hi)``: its segment's when one holds it whole, ``dropped``
+        when none touches it, None when a boundary crosses it."""
+        found = self.pieces(lo, hi)
+        if not found:
+            return self.dropped
+        start, end, slot = found[0]
+        return slot if (start, end) == (lo, hi) else None
+
+
+class _Plan:
+    """The host side of a plan: what is read where, and the slot of every norm it computes."""
+
+    def __init__(self, dropped: int) -> None:
+        self.dropped = dropped
+        self.row_reads: list[tuple[int, int, int]] = []  # (buffer, start, rows)
+        self.copies: list[tuple[int, int, list[int]]] = []  # (buffer, start, rows copied)
+        self.tails: list[tuple[int, int, int]] = []  # (buffer, start, numel): copied whole
+        self.row_slots: list[int] = []  # one per row, in row_reads order
+        self.copied: list[tuple[int, int, _Slots]] = []  # (start, numel) of each copied row
+        self.fine_slots: list[int] = []
+        self.piece_rows: list[int] = []  # the fine row each piece copies
+        self.piece_masks: list[tuple[int, int]] = []  # its elements in that row
+        self.piece_slots: list[int] = []
+
+    def add(self, index: int, numel: int, segments: Sequence[Segment]) -> None:
+        """Lay out one stretch of buffer ``index`` (of ``numel`` elements)."""
+        slots = _Slots(segments, self.dropped)
+        lo, hi = segments[0].offset, _end(segments[-1])
+        rows = -(-(hi - lo) // ROW)
+        if rows * ROW <= numel:
+            start = min(lo, numel - rows * ROW)
+        else:  # the buffer ends before a last whole row: rows from 0, the rest copied
+            start, rows = 0, numel // ROW
+        whole_end = start + rows * ROW
+        boundary = []
+        for r in range(rows) if rows else ():
+            slot = slots.of(start + r * ROW, start + (r + 1) * ROW)
+            self.row_slots.append(self.dropped if slot is None else slot)
+            if slot is None:
+                boundary.append(r)
+                self.copied.append((start + r * ROW, ROW, slots))
+        if rows:
+            self.row_reads.append((index, start, rows))
+        if boundary:
+            self.copies.append((index, start, boundary))
+        if hi > whole_end:
+            self.tails.append((index, whole_end, hi - whole_end))
+            self.copied.append((whole_end, hi - whole_end, slots))
+
+    def finish(self) -> None:
+        """The fine rows of every copied row (in copy order: the stretches' rows, then the
+        tails), and the pieces of those a boundary crosses."""
+        ordered = [c for c in self.copied if c[1] == ROW] + [c for c in self.copied if c[1] < ROW]
+        fine = 0
+        for start, numel, slots in ordered:
+            for f in range(0, ROW, FINE):
+                lo, hi = start + f, start + min(f + FINE, numel)
+                slot = slots.of(lo, hi) if lo < hi else self.dropped  # a tail's zero padding
+                self.fine_slots.append(self.dropped if slot is None else slot)
+                if slot is None:
+                    for a, b, piece_slot in slots.pieces(lo, hi):
+                        self.piece_rows.append(fine)
+                        self.piece_masks.append((a - start - f, b - start - f))
+                        self.piece_slots.append(piece_slot)
+                fine += 1
+
+
+class SegmentedSquares:
+    """Float64 sums of squares of segments of flat fp32 buffers, one slot per segment (several
+    may share one), built once and called every step (see the module docstring).
+
+    Args:
+        buffers: 1-D contiguous fp32 views of whole buffers, all on one device; the plan keeps
+            views of them, so it reads their values at each call.
+        segments: the segments of each buffer (non-overlapping).
+        num_slots: the slots segments add into; the result has one more, :attr:`dropped`.
+        device: where the result lives (the buffers' device).
+    """
+
+    def __init__(
+        self,
+        buffers: Sequence[Tensor],
+        segments: Sequence[Sequence[Segment]],
+        num_slots: int,
+        device: torch.device,
+    ) -> None:
+        self.dropped = num_slots
+        plan = _Plan(num_slots)
+        for index, (buffer, segs) in enumerate(zip(buffers, segments)):
+            for stretch in _stretches(segs):
+                plan.add(index, buffer.numel(), stretch)
+        plan.finish()
+        n_rows, n_fine, n_pieces = len(plan.row_slots), len(plan.fine_slots), len(plan.piece_rows)
+        self._zeros = torch.zeros(num_slots + 1, dtype=torch.float64, device=device)
+        # Every norm a call computes, in one buffer: the rows, the fine rows, the pieces.
+        self._norms = torch.empty(n_rows + n_fine + n_pieces, dtype=torch.float32, device=device)
+        self._slots = to_device(
+            plan.row_slots + plan.fine_slots + plan.piece_slots, torch.long, device
+        )
+        copied = torch.zeros(n_fine * FINE, dtype=torch.float32, device=device)
+        self._fine = copied.view(-1, FINE)
+        self._row_reads: list[tuple[Tensor, Tensor]] = []  # (rows of a stretch, their norms)
+        at = 0
+        for index, start, rows in plan.row_reads:
+            view = buffers[index][start : start + rows * ROW].view(rows, ROW)
+            self._row_reads.append((view, self._norms[at : at + rows]))
+            at += rows
+        self._fine_norms = self._norms[n_rows : n_rows + n_fine]
+        self._copies: list[tuple[Tensor, Tensor, Tensor]] = []  # (rows, which, into)
+        self._tails: list[tuple[Tensor, Tensor]] = []  # (elements, into)
+        at = 0
+        for index, start, boundary in plan.copies:
+            source = buffers[index][start : start + (boundary[-1] + 1) * ROW].view(-1, ROW)
+            into = copied[at : at + len(boundary) * ROW].view(-1, ROW)
+            self._copies.append((source, to_device(boundary, torch.long, device), into))
+            at += len(boundary) * ROW
+        for index, start, numel in plan.tails:
+            self._tails.append((buffers[index][start : start + numel], copied[at : at + numel]))
+            at += ROW  # the rest of the row stays zero
+        self._pieces: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
+        if n_pieces:
+            mask = torch.zeros(n_pieces, FINE, dtype=torch.float32)
+            for k, (a, b) in enumerate(plan.piece_masks):
+                mask[k, a:b] = 1
+            self._pieces = (
+                to_device(plan.piece_rows, torch.long, device),
+                torch.empty(n_pieces, FINE, dtype=torch.float32, device=device),
+                mask.to(device),
+                self._norms[n_rows + n_fine :],
+            )
+
+    @property
+    def kept_bytes(self) -> int:
+        """The memory the plan keeps between calls (norms, slots, copied rows, masks)."""
+        pieces = 0 if self._pieces is None else self._pieces[1].numel() * 8
+        return self._norms.numel() * 12 + self._fine.numel() * 4 + pieces
+
+    def __call__(self) -> Tensor:
+        """The sums of squares, ``[num_slots + 1]`` float64 (the last: :attr:`dropped`)."""
+        for rows, place in self._row_reads:
+            torch.linalg.vector_norm(rows, dim=1, out=place)
+        for rows, which, into in self._copies:
+            torch.index_select(rows, 0, which, out=into)
+        for elements, into in self._tails:
+            into.copy_(elements)
+        if self._fine.numel():
+            torch.linalg.vector_norm(self._fine, dim=1, out=self._fine_norms)
+        if self._pieces is not None:
+            which, into, mask, place = self._pieces
+            torch.index_select(self._fine, 0, which, out=into)
+            torch.linalg.vector_norm(into.mul_(mask), dim=1, out=place)
+        squares = self._norms.double().square_()
+        return torch.index_add(self._zeros, 0, self._slots, squares)
