@@ -48,6 +48,9 @@ class Chunk:
     numel: int
     row_item: Tensor
     item_slot: Tensor
+    # Each item's size then the zero tail of its last row, in scratch order: one split of the
+    # scratch gives every place and every tail (two ops per chunk, not two per item).
+    splits: tuple[int, ...] = ()
 
     @property
     def items(self) -> range:
@@ -98,11 +101,12 @@ class ChunkedSquares:
         self.scratch_numel = max((c.numel for c in self.chunks), default=0)
 
     def _chunk(self, items: list[int], slots: Sequence[int]) -> Chunk:
-        offsets, rows, at = [], [], 0
+        offsets, rows, splits, at = [], [], [], 0
         for local, item in enumerate(items):
             offsets.append(at)
             size = _aligned(self.numels[item])
             rows.extend([local] * (size // ROW))
+            splits += [self.numels[item], size - self.numels[item]]
             at += size
         return Chunk(
             items[0],
@@ -110,6 +114,7 @@ class ChunkedSquares:
             at,
             to_device(rows, torch.long, self.device),
             to_device([slots[i] for i in items], torch.long, self.device),
+            tuple(splits),
         )
 
     @property
@@ -124,13 +129,11 @@ class ChunkedSquares:
     def places(self, chunk: Chunk, scratch: Tensor) -> list[Tensor]:
         """The flat views of ``scratch`` where ``chunk``'s items go, the tails of their last
         rows zeroed."""
-        places = []
-        for item, offset in zip(chunk.items, chunk.offsets):
-            numel, size = self.numels[item], _aligned(self.numels[item])
-            if size > numel:  # the tail of its last row
-                scratch[offset + numel : offset + size].zero_()
-            places.append(scratch[offset : offset + numel])
-        return places
+        parts = scratch[: chunk.numel].split(chunk.splits)
+        tails = [t for t in parts[1::2] if t.numel()]
+        if tails:
+            torch._foreach_zero_(tails)
+        return list(parts[0::2])
 
     def add(self, chunk: Chunk, scratch: Tensor, factors: Sequence[float], out: Tensor) -> None:
         """Add ``factor² · Σ place²`` of each of ``chunk``'s items into ``out[slot]`` (no
