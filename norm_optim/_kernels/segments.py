@@ -12,9 +12,10 @@ whole-tensor norm is not, see :mod:`.rows`), squared and added into the slots in
   one) is viewed in place as rows of :data:`ROW` elements: one row-norm op per stretch;
 * the rows a segment boundary crosses (and a stretch's tail shorter than a row) are copied into
   one buffer (one ``index_select`` per stretch), viewed as fine rows of :data:`FINE` elements:
-  one row-norm op for all of them;
-* the fine rows a boundary crosses are copied once per segment piece they hold, masked to that
-  piece and normed: three ops for all of them;
+  one row-norm op for all of them; a stretch that boundaries cross in most rows (segments of a
+  few hundred elements) is read in place as fine rows instead, with no copy;
+* the fine rows a boundary crosses are copied once per segment piece they hold (one
+  ``index_select`` per source of fine rows), masked to that piece and normed together;
 * one ``index_add`` sends every row's float64 square to its segment's slot.
 
 Rows that lie in no segment, or across a boundary, go to the last slot,
@@ -102,20 +103,45 @@ class _Slots:
         return slot if (start, end) == (lo, hi) else None
 
 
+class _Fine:
+    """The fine rows of one region read as rows of :data:`FINE`: each one's slot, and the
+    pieces of those a boundary crosses (fine row, element range in it, slot)."""
+
+    def __init__(self) -> None:
+        self.slots: list[int] = []
+        self.pieces: list[tuple[int, tuple[int, int], int]] = []
+
+    def add(self, start: int, numel: int, length: int, slots: _Slots) -> None:
+        """Fine rows over ``[start, start + length)``, of which the first ``numel`` elements
+        are the buffer's (the rest: a copied tail's zeros)."""
+        for f in range(0, length, FINE):
+            lo, hi = start + f, start + min(f + FINE, numel)
+            slot = slots.of(lo, hi) if lo < hi else slots.dropped
+            if slot is None:
+                for a, b, piece_slot in slots.pieces(lo, hi):
+                    self.pieces.append((len(self.slots), (a - lo, b - lo), piece_slot))
+            self.slots.append(slots.dropped if slot is None else slot)
+
+
 class _Plan:
-    """The host side of a plan: what is read where, and the slot of every norm it computes."""
+    """The host side of a plan: which views are read as rows, which rows are copied, and the
+    slot of every norm a call computes.
+
+    A stretch whose rows a boundary mostly crosses (every param a few hundred elements) is read
+    in place as fine rows: cheaper than copying most of it, and its fine rows' norms and slots
+    (12 bytes per :data:`FINE` elements) are smaller than the copy would be.
+    """
 
     def __init__(self, dropped: int) -> None:
         self.dropped = dropped
-        self.row_reads: list[tuple[int, int, int]] = []  # (buffer, start, rows)
+        self.reads: list[tuple[int, int, int, int]] = []  # (buffer, start, rows, row length)
+        self.read_slots: list[int] = []  # one per row read, in reads order
+        self.in_place: list[tuple[int, _Fine]] = []  # (its index in reads, its fine rows)
         self.copies: list[tuple[int, int, list[int]]] = []  # (buffer, start, rows copied)
         self.tails: list[tuple[int, int, int]] = []  # (buffer, start, numel): copied whole
-        self.row_slots: list[int] = []  # one per row, in row_reads order
-        self.copied: list[tuple[int, int, _Slots]] = []  # (start, numel) of each copied row
-        self.fine_slots: list[int] = []
-        self.piece_rows: list[int] = []  # the fine row each piece copies
-        self.piece_masks: list[tuple[int, int]] = []  # its elements in that row
-        self.piece_slots: list[int] = []
+        self._copied: list[tuple[int, int, _Slots]] = []  # (start, numel) of each copied row
+        self._tails: list[tuple[int, int, _Slots]] = []
+        self.copied = _Fine()  # the fine rows of the copied rows, in copy order
 
     def add(self, index: int, numel: int, segments: Sequence[Segment]) -> None:
         """Lay out one stretch of buffer ``index`` (of ``numel`` elements)."""
@@ -127,37 +153,29 @@ class _Plan:
         else:  # the buffer ends before a last whole row: rows from 0, the rest copied
             start, rows = 0, numel // ROW
         whole_end = start + rows * ROW
-        boundary = []
-        for r in range(rows) if rows else ():
-            slot = slots.of(start + r * ROW, start + (r + 1) * ROW)
-            self.row_slots.append(self.dropped if slot is None else slot)
-            if slot is None:
-                boundary.append(r)
-                self.copied.append((start + r * ROW, ROW, slots))
-        if rows:
-            self.row_reads.append((index, start, rows))
-        if boundary:
-            self.copies.append((index, start, boundary))
+        row_slots = [slots.of(start + r * ROW, start + (r + 1) * ROW) for r in range(rows)]
+        boundary = [r for r, slot in enumerate(row_slots) if slot is None]
+        if rows and 2 * len(boundary) > rows:
+            fine = _Fine()
+            fine.add(start, rows * ROW, rows * ROW, slots)
+            self.in_place.append((len(self.reads), fine))
+            self.reads.append((index, start, rows * ROW // FINE, FINE))
+            self.read_slots += fine.slots
+        elif rows:
+            self.reads.append((index, start, rows, ROW))
+            self.read_slots += [self.dropped if slot is None else slot for slot in row_slots]
+            if boundary:
+                self.copies.append((index, start, boundary))
+                self._copied += [(start + r * ROW, ROW, slots) for r in boundary]
         if hi > whole_end:
             self.tails.append((index, whole_end, hi - whole_end))
-            self.copied.append((whole_end, hi - whole_end, slots))
+            self._tails.append((whole_end, hi - whole_end, slots))
 
     def finish(self) -> None:
-        """The fine rows of every copied row (in copy order: the stretches' rows, then the
-        tails), and the pieces of those a boundary crosses."""
-        ordered = [c for c in self.copied if c[1] == ROW] + [c for c in self.copied if c[1] < ROW]
-        fine = 0
-        for start, numel, slots in ordered:
-            for f in range(0, ROW, FINE):
-                lo, hi = start + f, start + min(f + FINE, numel)
-                slot = slots.of(lo, hi) if lo < hi else self.dropped  # a tail's zero padding
-                self.fine_slots.append(self.dropped if slot is None else slot)
-                if slot is None:
-                    for a, b, piece_slot in slots.pieces(lo, hi):
-                        self.piece_rows.append(fine)
-                        self.piece_masks.append((a - start - f, b - start - f))
-                        self.piece_slots.append(piece_slot)
-                fine += 1
+        """The fine rows of every copied row, in copy order: the stretches' rows, then the
+        tails (each padded with zeros to a whole row)."""
+        for start, numel, slots in self._copied + self._tails:
+            self.copied.add(start, numel, ROW, slots)
 
 
 class SegmentedSquares:
@@ -185,22 +203,29 @@ class SegmentedSquares:
             for stretch in _stretches(segs):
                 plan.add(index, buffer.numel(), stretch)
         plan.finish()
-        n_rows, n_fine, n_pieces = len(plan.row_slots), len(plan.fine_slots), len(plan.piece_rows)
+        # Every norm a call computes, in one buffer: the rows read in place, the fine rows of
+        # the copied rows, the pieces; and the slot of each, in the same order.
+        sources = [fine for _, fine in plan.in_place] + [plan.copied]
+        n_reads, n_copied = len(plan.read_slots), len(plan.copied.slots)
+        pieces = [p for fine in sources for p in fine.pieces]
         self._zeros = torch.zeros(num_slots + 1, dtype=torch.float64, device=device)
-        # Every norm a call computes, in one buffer: the rows, the fine rows, the pieces.
-        self._norms = torch.empty(n_rows + n_fine + n_pieces, dtype=torch.float32, device=device)
-        self._slots = to_device(
-            plan.row_slots + plan.fine_slots + plan.piece_slots, torch.long, device
+        self._norms = torch.empty(
+            n_reads + n_copied + len(pieces), dtype=torch.float32, device=device
         )
-        copied = torch.zeros(n_fine * FINE, dtype=torch.float32, device=device)
-        self._fine = copied.view(-1, FINE)
-        self._row_reads: list[tuple[Tensor, Tensor]] = []  # (rows of a stretch, their norms)
+        self._slots = to_device(
+            plan.read_slots + plan.copied.slots + [slot for _, _, slot in pieces],
+            torch.long,
+            device,
+        )
+        copied = torch.zeros(n_copied * FINE, dtype=torch.float32, device=device)
+        self._copied = copied.view(-1, FINE)
+        self._copied_norms = self._norms[n_reads : n_reads + n_copied]
+        self._reads: list[tuple[Tensor, Tensor]] = []  # (rows in place, their norms)
         at = 0
-        for index, start, rows in plan.row_reads:
-            view = buffers[index][start : start + rows * ROW].view(rows, ROW)
-            self._row_reads.append((view, self._norms[at : at + rows]))
+        for index, start, rows, length in plan.reads:
+            view = buffers[index][start : start + rows * length].view(rows, length)
+            self._reads.append((view, self._norms[at : at + rows]))
             at += rows
-        self._fine_norms = self._norms[n_rows : n_rows + n_fine]
         self._copies: list[tuple[Tensor, Tensor, Tensor]] = []  # (rows, which, into)
         self._tails: list[tuple[Tensor, Tensor]] = []  # (elements, into)
         at = 0
@@ -212,37 +237,45 @@ class SegmentedSquares:
         for index, start, numel in plan.tails:
             self._tails.append((buffers[index][start : start + numel], copied[at : at + numel]))
             at += ROW  # the rest of the row stays zero
-        self._pieces: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
-        if n_pieces:
-            mask = torch.zeros(n_pieces, FINE, dtype=torch.float32)
-            for k, (a, b) in enumerate(plan.piece_masks):
+        # Pieces: each a copy of its fine row (one index_select per source of fine rows),
+        # masked to its elements, then normed together.
+        self._piece_reads: list[tuple[Tensor, Tensor, Tensor]] = []  # (fine rows, which, into)
+        self._pieces: Optional[tuple[Tensor, Tensor, Tensor]] = None
+        if pieces:
+            into = torch.empty(len(pieces), FINE, dtype=torch.float32, device=device)
+            fine_views = [self._reads[i][0] for i, _ in plan.in_place] + [self._copied]
+            at = 0
+            for view, fine in zip(fine_views, sources):
+                if fine.pieces:
+                    which = to_device([row for row, _, _ in fine.pieces], torch.long, device)
+                    n = len(fine.pieces)
+                    self._piece_reads.append((view, which, into[at : at + n]))
+                    at += n
+            mask = torch.zeros(len(pieces), FINE)
+            for k, (_, (a, b), _) in enumerate(pieces):
                 mask[k, a:b] = 1
-            self._pieces = (
-                to_device(plan.piece_rows, torch.long, device),
-                torch.empty(n_pieces, FINE, dtype=torch.float32, device=device),
-                mask.to(device),
-                self._norms[n_rows + n_fine :],
-            )
+            self._pieces = (into, mask.to(device), self._norms[n_reads + n_copied :])
 
     @property
     def kept_bytes(self) -> int:
-        """The memory the plan keeps between calls (norms, slots, copied rows, masks)."""
-        pieces = 0 if self._pieces is None else self._pieces[1].numel() * 8
-        return self._norms.numel() * 12 + self._fine.numel() * 4 + pieces
+        """The memory the plan keeps between calls (norms, slots, copied rows, pieces)."""
+        pieces = 0 if self._pieces is None else self._pieces[0].numel() * 8
+        return self._norms.numel() * 12 + self._copied.numel() * 4 + pieces
 
     def __call__(self) -> Tensor:
         """The sums of squares, ``[num_slots + 1]`` float64 (the last: :attr:`dropped`)."""
-        for rows, place in self._row_reads:
+        for rows, place in self._reads:
             torch.linalg.vector_norm(rows, dim=1, out=place)
         for rows, which, into in self._copies:
             torch.index_select(rows, 0, which, out=into)
         for elements, into in self._tails:
             into.copy_(elements)
-        if self._fine.numel():
-            torch.linalg.vector_norm(self._fine, dim=1, out=self._fine_norms)
+        if self._copied.numel():
+            torch.linalg.vector_norm(self._copied, dim=1, out=self._copied_norms)
+        for rows, which, into in self._piece_reads:
+            torch.index_select(rows, 0, which, out=into)
         if self._pieces is not None:
-            which, into, mask, place = self._pieces
-            torch.index_select(self._fine, 0, which, out=into)
+            into, mask, place = self._pieces
             torch.linalg.vector_norm(into.mul_(mask), dim=1, out=place)
         squares = self._norms.double().square_()
         return torch.index_add(self._zeros, 0, self._slots, squares)
