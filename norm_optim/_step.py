@@ -32,7 +32,8 @@ from ._megatron.in_step import StepReader
 from ._megatron.rules import Counted, Stepped
 from ._megatron.step_state import run_step
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
-from ._watch import Watch, JudgedStep
+from ._watch import Watch
+from ._watch_signals import JudgedStep
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,81 +18,33 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._kernels.indices import to_device
+from ._watch_config import WatchConfig as WatchConfig
+from ._watch_signals import (
+    BEST,
+    EXCESS,
+    LAYER,
+    MEAN,
+    NON_FINITE,
+    PARAM,
+    STD,
+    VALUE,
+    WIDTH,
+    FLAG,
+    GRADS as GRADS,
+    GradsSignals,
+    JudgedStep,
+    RollingStats,
+)
 
 LOGGER = logging.getLogger("norm_optim.watch")
 """Where alarms are said (one line each, starting ``norm_optim watch:``)."""
 
-GRADS = "grads-norm"
-"""The name of the grads signals: ``grads-norm`` (total), ``grads-norm/layer/<layer>``,
-``grads-norm/param/<name>`` (the same tags as the step norms' scalars)."""
 LOSS = "loss"
 RATIO = "update-to-weight"
-
-
-@dataclasses.dataclass(frozen=True)
-class WatchConfig:
-    """How the watch decides that a value is a spike.
-
-    Attributes:
-        k: a value more than ``k`` rolling standard deviations above the rolling mean of the
-            values before it is a spike (OLMo-core: 6).
-        window: how many past values the mean and σ are taken over (OLMo-core: 128).
-        warmup: no verdict before this many values were seen (OLMo-core: half the window).
-        min_rel_std: σ is taken as at least this fraction of the mean, so that a signal that
-            has been almost constant does not alarm on a tiny move: with the defaults a value
-            must also be 6 % above its mean.
-        skip: do not apply a step with a spike (or a non-finite grad): the weights, moments
-            and the optimizer's step count stay as they were, and Megatron counts a skipped
-            iteration. Off by default: watching alone never changes a training bit.
-        arm_after_alarm: measure the step after an alarm per param
-            (:meth:`~norm_optim.NormAwareOptimizer.measure_next_step`), so that the spike's
-            aftermath is recorded in full.
-        max_names: at most this many param names in one alarm (non-finite grads), then a count.
-    """
-
-    k: float = 6.0
-    window: int = 128
-    warmup: int = 64
-    min_rel_std: float = 0.01
-    skip: bool = False
-    arm_after_alarm: bool = True
-    max_names: int = 8
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.k, (int, float)) and self.k > 0):
-            raise ValueError(f"WatchConfig.k must be a number > 0, got {self.k!r}")
-        if not (isinstance(self.window, int) and self.window >= 2):
-            raise ValueError(f"WatchConfig.window must be an int >= 2, got {self.window!r}")
-        if not (isinstance(self.warmup, int) and self.warmup >= 2):
-            raise ValueError(f"WatchConfig.warmup must be an int >= 2, got {self.warmup!r}")
-        if self.min_rel_std < 0:
-            raise ValueError(f"WatchConfig.min_rel_std must be >= 0, got {self.min_rel_std!r}")
-
-    @classmethod
-    def of(cls, value: "bool | dict[str, Any] | WatchConfig | None") -> Optional["WatchConfig"]:
-        """``install(watch=...)``'s value as a config: True (defaults), a dict of fields, a
-        config, or False / None (no watch)."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
-            if unknown:
-                raise ValueError(
-                    f"watch: unknown options {unknown}; WatchConfig takes "
-                    f"{[f.name for f in dataclasses.fields(cls)]}"
-                )
-            return cls(**value)
-        raise TypeError(f"watch must be True, a dict or a WatchConfig, got {type(value).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,152 +99,6 @@ class Alarm:
         return f"norm_optim watch: iteration {self.iteration}: {what}{where_text}{tail}"
 
 
-class RollingStats:
-    """The last ``window`` values of ``n`` signals, on the device: mean, σ and each new value's
-    excess over them. Holds ``window × n`` float64 values; no host sync.
-
-    Non-finite values are never pushed (they would poison the window): they are judged (as
-    non-finite) and replaced by the mean in the window.
-
-    A judgement is the same dozen ops for any ``n``: the value, mean, σ and excess are the rows
-    of one matrix (:attr:`columns`) written in place, and every view a judgement reads is made
-    here, once. They are overwritten by the next judgement: keep a copy of what must outlive it.
-    """
-
-    def __init__(self, n: int, config: WatchConfig, device: torch.device) -> None:
-        self.config = config
-        self._values = torch.zeros((config.window, n), dtype=torch.float64, device=device)
-        self._rows = self._values.unbind(0)
-        self._filled = [self._values[:k] for k in range(config.window + 1)]
-        self.columns = torch.zeros((4, n), dtype=torch.float64, device=device)
-        """Rows: the value judged (:attr:`x`), the window's mean and σ before it, its excess."""
-        self.x, self.mean, self.std, self.excess = self.columns.unbind(0)
-        self.non_finite = torch.zeros(n, dtype=torch.bool, device=device)
-        """Where the last value judged was not finite (a new tensor at each judgement)."""
-        self._seen = 0  # values pushed so far: a host count, the same on every rank
-
-    @property
-    def warm(self) -> bool:
-        """Whether enough values were seen for a verdict (a host decision: no sync)."""
-        return self._seen >= self.config.warmup
-
-    def judge(
-        self, x: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(excess, mean, σ) of ``x`` (default: the values already written into :attr:`x`)
-        against the window before it; the excess is 0 until warm and +inf where ``x`` is not
-        finite. Then ``x`` joins the window."""
-        if x is not None:
-            self.x.copy_(x)
-        filled = min(self._seen, self.config.window)
-        if filled >= 2:
-            var, mean = torch.var_mean(self._filled[filled], dim=0, correction=1)
-            torch.sqrt(var, out=self.std)
-            self.mean.copy_(mean)
-        else:
-            self.mean.copy_(self._rows[0]) if filled else self.mean.zero_()
-            self.std.zero_()
-        non_finite = torch.ne(self.x * 0, 0)  # x·0 is NaN exactly where x is NaN or ±inf
-        torch.sub(self.x, self.mean, out=self.excess)
-        if self.warm:
-            floor = torch.maximum(self.std, self.mean.abs().mul_(self.config.min_rel_std))
-            self.excess.div_(floor.clamp_min_(1e-300))
-        else:
-            self.excess.zero_()
-        self.excess.masked_fill_(non_finite, math.inf)
-        torch.where(non_finite, self.mean, self.x, out=self._rows[self._seen % self.config.window])
-        self._seen += 1
-        self.non_finite = non_finite
-        return self.excess, self.mean, self.std
-
-
-# The columns of one step's summary (float64, on the device): read in one transfer at poll().
-_FLAG, _NON_FINITE, _BEST, _VALUE, _MEAN, _STD, _EXCESS, _LAYER, _PARAM = range(9)
-_WIDTH = 9
-
-
-@dataclasses.dataclass(frozen=True)
-class _Signals:
-    """The names of the grads signals, in the order of the judged vector: the total, the
-    layers, the params (from the reducer's per-param slots: the same on every rank)."""
-
-    layers: tuple[str, ...]
-    params: tuple[str, ...]
-
-    def name(self, i: int) -> str:
-        if i == 0:
-            return GRADS
-        if i <= len(self.layers):
-            return f"{GRADS}/layer/{self.layers[i - 1]}"
-        return f"{GRADS}/param/{self.params[i - 1 - len(self.layers)]}"
-
-
-@dataclasses.dataclass(frozen=True)
-class JudgedStep:
-    """What one watched step keeps until poll(): the value, mean, σ and excess of the judged
-    signal with the largest excess (4 × 1), that signal, the layer and the param with the
-    largest excess (1-element tensors, or None), where the grads were not finite."""
-
-    at_best: torch.Tensor
-    best: torch.Tensor
-    layer: Optional[torch.Tensor]
-    param: Optional[torch.Tensor]
-    non_finite: torch.Tensor
-    skipped: bool = False
-
-    def verdict(self, k: float) -> torch.Tensor:
-        """Whether the step spiked or had non-finite grads: a 0-dim bool tensor on the device
-        (a non-finite grad makes the total non-finite, and its excess +inf)."""
-        return self.at_best[3, 0] > k
-
-    def summary(self, k: float, n_layers: int) -> torch.Tensor:
-        """The step's summary row (at poll: the step itself makes none)."""
-        at = self.at_best.view(4)
-        non_finite = self.non_finite[1 + n_layers :].any()
-        flags = torch.stack([(at[3] > k) | non_finite, non_finite]).double()
-        none = torch.full((1,), -1.0, dtype=torch.float64, device=at.device)
-        named = [none if t is None else t.double() for t in (self.layer, self.param)]
-        return torch.cat([flags, self.best.double(), at, *named])
-
-
-class _GradsSignals:
-    """The grads signals of one per-param slot layout, from a step's reduced sums of squares:
-    which slots add into the total, each layer and each param (one ``index_add``), their
-    rolling statistics, and the views of the excess the verdict reads; all made once."""
-
-    def __init__(self, slots: Any, config: WatchConfig, device: torch.device) -> None:
-        self.signals = _Signals(tuple(slots.layers.index), tuple(slots.index))
-        n_layers, n_params = len(self.signals.layers), len(self.signals.params)
-        source, target = [], []
-        for p, layer in enumerate(slots.layers.host):
-            slot = 2 + p  # after the dense and expert slots of the reduced vector
-            wanted = [0, 1 + n_layers + p] + ([1 + layer] if layer < n_layers else [])
-            source += [slot] * len(wanted)
-            target += wanted
-        self._source = to_device(source, torch.long, device)
-        self._target = to_device(target, torch.long, device)
-        self.stats = RollingStats(1 + n_layers + n_params, config, device)
-        self._zeros = torch.zeros_like(self.stats.x)
-        excess = self.stats.excess
-        self._judged = excess[: 1 + n_layers]  # the total and the layers alarm
-        self._layers = excess[1 : 1 + n_layers] if n_layers else None
-        self._params = excess[1 + n_layers :] if n_params else None
-
-    def __call__(self, squares: torch.Tensor) -> JudgedStep:
-        x = self.stats.x
-        torch.index_add(self._zeros, 0, self._target, squares.index_select(0, self._source), out=x)
-        x.sqrt_()
-        self.stats.judge()
-        best = self._judged.argmax(0, keepdim=True)
-        return JudgedStep(
-            self.stats.columns.index_select(1, best),
-            best,
-            None if self._layers is None else self._layers.argmax(0, keepdim=True),
-            None if self._params is None else self._params.argmax(0, keepdim=True),
-            self.stats.non_finite,
-        )
-
-
 class Watch:
     """The watch of one :class:`~norm_optim.NormAwareOptimizer` (see the module docstring).
 
@@ -304,7 +110,7 @@ class Watch:
     def __init__(self, config: WatchConfig, arm: Callable[[], None]) -> None:
         self.config = config
         self._arm = arm
-        self._grads: Optional[_GradsSignals] = None
+        self._grads: Optional[GradsSignals] = None
         self._key: Any = None  # the reducer's per-param slots the grads signals were built for
         self._loss: Optional[RollingStats] = None
         self._ratios: Optional[RollingStats] = None
@@ -330,7 +136,7 @@ class Watch:
         ops whatever the number of params; the summary is made at poll()."""
         self.steps += 1
         if self._grads is None or self._key is not slots:
-            self._grads = _GradsSignals(slots, self.config, device)
+            self._grads = GradsSignals(slots, self.config, device)
             self._key = slots
         judged = self._grads(squares)
         self._pending.append(judged)
@@ -352,12 +158,12 @@ class Watch:
         spike = excess[best] > self.config.k
         # -1 where nothing is named (layer, param), filled where it is made: no value from the
         # host written into it afterwards.
-        summary = torch.full((_WIDTH,), -1.0, dtype=torch.float64, device=x.device)
-        summary[_FLAG] = (spike | non_finite).double()
-        summary[_NON_FINITE] = non_finite.double()
-        summary[_BEST] = best
-        summary[_VALUE], summary[_MEAN], summary[_STD] = x[best], mean[best], std[best]
-        summary[_EXCESS] = excess[best]
+        summary = torch.full((WIDTH,), -1.0, dtype=torch.float64, device=x.device)
+        summary[FLAG] = (spike | non_finite).double()
+        summary[NON_FINITE] = non_finite.double()
+        summary[BEST] = best
+        summary[VALUE], summary[MEAN], summary[STD] = x[best], mean[best], std[best]
+        summary[EXCESS] = excess[best]
         return summary
 
     # ------------------------------------------------------------ other signals
@@ -416,15 +222,15 @@ class Watch:
         rows = torch.stack(summaries + [s for s, _, _ in extra]).tolist()
         alarms: list[Alarm] = []
         for i, (row, grads) in enumerate(zip(rows, pending)):
-            if not row[_FLAG]:
+            if not row[FLAG]:
                 continue
             step = self.steps - len(pending) + 1 + i + offset
             alarms.append(self._grads_alarm(step, row, grads))
         for row, (_, signal, step) in zip(rows[len(pending) :], extra):
-            if row[_FLAG]:
+            if row[FLAG]:
                 name = signal
                 if signal == RATIO:
-                    name = f"{RATIO}/layer/{self._ratio_names[int(row[_BEST])]}"
+                    name = f"{RATIO}/layer/{self._ratio_names[int(row[BEST])]}"
                 alarms.append(Alarm(step + offset, name, *_judged(row)))
         self.alarms_total += len(alarms)
         self.last_alarms = tuple(alarms)
@@ -439,15 +245,15 @@ class Watch:
         signals = self._grads.signals
         names: tuple[str, ...] = ()
         count = 0
-        if row[_NON_FINITE]:
+        if row[NON_FINITE]:
             where = grads.non_finite[1 + len(signals.layers) :].nonzero().flatten()
             count = int(where.numel())
             names = tuple(signals.params[int(j)] for j in where[: self.config.max_names])
-        param = signals.params[int(row[_PARAM])] if row[_PARAM] >= 0 else None
-        layer = signals.layers[int(row[_LAYER])] if row[_LAYER] >= 0 else None
+        param = signals.params[int(row[PARAM])] if row[PARAM] >= 0 else None
+        layer = signals.layers[int(row[LAYER])] if row[LAYER] >= 0 else None
         return Alarm(
             step,
-            signals.name(int(row[_BEST])),
+            signals.name(int(row[BEST])),
             *_judged(row),
             layer=layer,
             param=param,
@@ -458,7 +264,7 @@ class Watch:
 
 
 def _judged(row: list[float]) -> tuple[float, float, float, float]:
-    return row[_VALUE], row[_MEAN], row[_STD], row[_EXCESS]
+    return row[VALUE], row[MEAN], row[STD], row[EXCESS]
 
 
 def say(alarms: Sequence[Alarm]) -> None:

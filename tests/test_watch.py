@@ -8,7 +8,7 @@ multiplies one param's ``main_grad`` (what the optimizer copies to its fp32 main
 expected param and layer are the ones the test touched; the weights and moments a skipped step
 must leave alone are the test's own snapshots, compared bitwise.
 
-The statistics themselves (:class:`~norm_optim._watch.RollingStats`) are checked against
+The statistics themselves (:class:`~norm_optim._watch_signals.RollingStats`) are checked against
 Python's ``statistics`` module on one process.
 """
 
