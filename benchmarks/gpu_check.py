@@ -708,6 +708,7 @@ def _watched_row(
     """A watched ``step()`` against the plain one, and on CUDA whether the watch's read of the
     grads synchronizes the host (CUDA's sync debug mode set to raise inside that read only:
     Megatron's own step reads its grad norm on the host)."""
+    from benchmarks.step_norms import aten_ops
     from norm_optim._patching import Patch, patches_applied
     from norm_optim._step import WatchedGrads
 
@@ -724,10 +725,13 @@ def _watched_row(
 
     syncs = "host syncs in the watch's read not checked (no CUDA)"
     try:
+        with torch.no_grad():
+            plain_ops = aten_ops(step)
         wrapped.watch()
         try:
             with torch.no_grad():
-                step()  # the first watched step builds its reads
+                step()  # the first watched step binds its reads
+                extra_ops = aten_ops(step) - plain_ops  # each a kernel launch on CUDA
                 watched_s = median_seconds(step, device, opts)
                 if device.type == "cuda":
                     try:
@@ -740,7 +744,10 @@ def _watched_row(
             wrapped.unwatch()
     except Exception as error:
         return row("megatron", what, note=f"{label}; error: {_first_line(error)}")
-    note = f"{label}; plain step {plain_s * 1e3:.3g} ms ({watched_s / plain_s:.2f}x); {syncs}"
+    note = (
+        f"{label}; plain step {plain_s * 1e3:.3g} ms ({watched_s / plain_s:.2f}x); "
+        f"{extra_ops} extra aten ops per step, whatever the tensor count; {syncs}"
+    )
     return row("megatron", what, **fields, median_ms=watched_s * 1e3, note=note)
 
 

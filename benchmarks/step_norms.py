@@ -36,7 +36,20 @@ CASES = {  # name: TinyGPTConfig fields
     "h512-l4": dict(hidden_size=512, num_layers=4, vocab_size=4096),
 }
 QUICK = ("h64-l2",)
+# By tensor count (``--tensors``): many small layers (hidden 16, 12 param tensors per layer and 4
+# more), and MoE layers of many experts (2 tensors per expert): what grows with the number of
+# tensors shows there, where each tensor is cheap.
+_SMALL = dict(hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8)
+TENSOR_CASES = {
+    "layers-8": dict(_SMALL, num_layers=8),
+    "layers-83": dict(_SMALL, num_layers=83),
+    "layers-833": dict(_SMALL, num_layers=833),
+    "moe-8x64": dict(_SMALL, num_layers=8, num_experts=64, moe_ffn_hidden_size=16),
+    "moe-8x640": dict(_SMALL, num_layers=8, num_experts=640, moe_ffn_hidden_size=16),
+}
+QUICK_TENSORS = ("layers-8",)
 REPEATS = 5
+TENSOR_REPEATS = 21  # a watched step's extra host time is a small difference: more pairs
 # Bytes each element of a counted fp32 tensor costs a call to read from memory: the weights (4),
 # and at an armed step also the grads (4) and the two moments (4 + 4). Adam's update is read in
 # its step, a cache-sized chunk at a time (copy, step, subtract, sum): no extra pass over memory
@@ -61,15 +74,23 @@ def aten_ops(fn: Callable[[], Any]) -> int:
     return Count.ops
 
 
-def _paired(plain: Callable[[], Any], other: Callable[[], Any]) -> tuple[float, float]:
-    """(median of ``other``, median of other / plain over adjacent pairs)."""
+def _pairs(
+    plain: Callable[[], Any], other: Callable[[], Any], repeats: int = REPEATS
+) -> list[tuple[float, float]]:
+    """(other's seconds, plain's seconds) of adjacent runs."""
     pairs = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         plain()
         between = time.perf_counter()
         other()
         pairs.append((time.perf_counter() - between, between - start))
+    return pairs
+
+
+def _paired(plain: Callable[[], Any], other: Callable[[], Any]) -> tuple[float, float]:
+    """(median of ``other``, median of other / plain over adjacent pairs)."""
+    pairs = _pairs(plain, other)
     return statistics.median(o for o, _ in pairs), statistics.median(o / p for o, p in pairs)
 
 
@@ -206,7 +227,8 @@ def _watched(optimizer: Any) -> tuple[float, float]:
         start = time.perf_counter()
         optimizer.step()
         plain = time.perf_counter() - start
-        watch = optimizer.watch()  # builds its reads (not timed); its first step judges
+        watch = optimizer.watch()  # builds its reads (not timed)
+        optimizer.step()  # the first watched step binds them (not timed)
         start = time.perf_counter()
         optimizer.step()
         pairs.append((time.perf_counter() - start, plain))
@@ -218,13 +240,111 @@ def _watched(optimizer: Any) -> tuple[float, float]:
     )
 
 
+def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
+    """What grows with the number of param tensors: the aten ops a watched step, an armed
+    per-param step and ``param_l2_norms(per_param=True)`` add (counted), and the host time of
+    a watched step above a plain one (the median of adjacent pairs; the watch is switched off
+    and on between them, its reads kept)."""
+    from norm_optim import NormAwareOptimizer
+    from norm_optim.testing import init_parallel
+    from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
+
+    init_parallel()
+    chunks = build_model(TinyGPTConfig(**fields), use_distributed_optimizer=True)
+    optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+    train_step(chunks, optimizer)
+    plain = optimizer.step
+
+    def armed() -> None:
+        optimizer.measure_next_step(per_param=True)
+        optimizer.step()
+        float(optimizer.step_norms().updates.total)
+
+    def per_param() -> None:
+        float(optimizer.param_l2_norms(per_param=True).total)
+
+    for fn in (plain, plain, armed, per_param):  # past every first call's one-time work
+        fn()
+    ops = {"plain": aten_ops(plain), "armed": aten_ops(armed), "per_param": aten_ops(per_param)}
+    watch = optimizer.watch()
+    plain()  # the first watched step binds its reads
+    ops["watched"] = aten_ops(plain)
+    state = optimizer._state
+
+    def unwatched() -> None:
+        state.watch = None
+        try:
+            plain()
+        finally:
+            state.watch = watch
+
+    pairs = _pairs(unwatched, plain, TENSOR_REPEATS)
+    # The watch's own read (sum, all-reduce, judge), timed alone: the paired difference above is
+    # a small difference of two large, noisy times.
+    assert state.watched_grads is not None
+    read = state.watched_grads.grads_ready
+    read_s = min(_median(read) for _ in range(3))
+    armed_s, armed_ratio = _paired(unwatched, armed)
+    assert watch.poll() == (), "a clean benchmark run must not alarm"
+    tensors = len(optimizer.registry.counted)
+    return {
+        "tensors": tensors,
+        "numel": sum(r.numel for r in optimizer.registry.counted),
+        "aten_ops_plain_step": ops["plain"],
+        "extra_aten_ops_watched_step": ops["watched"] - ops["plain"],
+        "extra_aten_ops_per_tensor_armed_per_param": (ops["armed"] - ops["plain"]) / tensors,
+        "aten_ops_param_l2_norms_per_param": ops["per_param"],
+        "plain_step_s": statistics.median(p for _, p in pairs),
+        "watched_step_s": statistics.median(w for w, _ in pairs),
+        "watched_minus_plain_s": statistics.median(w - p for w, p in pairs),
+        "watched_over_plain": statistics.median(w / p for w, p in pairs),
+        "watch_read_s": read_s,
+        "armed_per_param_step_s": armed_s,
+        "armed_per_param_over_plain": armed_ratio,
+        "param_l2_norms_per_param_s": _median(per_param),
+    }
+
+
+def _tensor_rows(quick: bool) -> list[dict[str, Any]]:
+    from norm_optim.testing import run_ranks
+
+    rows = []
+    for name, fields in TENSOR_CASES.items():
+        if quick and name not in QUICK_TENSORS:
+            continue
+        (row,) = run_ranks(_tensor_case, 1, fields, timeout=1800)
+        rows.append({"case": name, **row})
+        print(
+            f"{name}: {row['tensors']} tensors, plain {row['plain_step_s'] * 1e3:.3g} ms "
+            f"({row['aten_ops_plain_step']} ops); watched +{row['extra_aten_ops_watched_step']} "
+            f"ops, +{row['watched_minus_plain_s'] * 1e3:.2f} ms ({row['watched_over_plain']:.2f}x; "
+            f"its read alone {row['watch_read_s'] * 1e3:.2f} ms)"
+            f"; armed per-param +{row['extra_aten_ops_per_tensor_armed_per_param']:.2f} ops per "
+            f"tensor ({row['armed_per_param_over_plain']:.2f}x); param_l2_norms(per_param) "
+            f"{row['aten_ops_param_l2_norms_per_param']} ops, "
+            f"{row['param_l2_norms_per_param_s'] * 1e3:.3g} ms"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     from norm_optim.testing import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument(
+        "--tensors",
+        action="store_true",
+        help=f"the cases by tensor count instead ({', '.join(TENSOR_CASES)})",
+    )
     args = parser.parse_args(argv)
+    if args.tensors:
+        rows = _tensor_rows(args.quick)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows = []
     for name, fields in CASES.items():
         if args.quick and name not in QUICK:

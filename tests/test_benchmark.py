@@ -151,3 +151,38 @@ def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
         assert row["extra_peak_bytes"] >= row["in_step_scratch_bytes"]
     # Deterministic (counted, not timed): the ops an armed step adds per param tensor.
     assert 0 < row["extra_aten_ops_per_tensor"] <= 40
+
+
+def test_step_norms_benchmark_by_tensor_count(tmp_path: pathlib.Path) -> None:
+    """``python -m benchmarks.step_norms --tensors --quick`` writes the 100-tensor row: the ops a
+    watched step, an armed per-param step and per-param weight norms add (counted, so
+    asserted), and the times (reported only)."""
+    out = tmp_path / "tensors.json"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_norms", "--tensors", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (row,) = json.loads(out.read_text())
+    assert set(row) == {
+        "case",
+        "tensors",
+        "numel",
+        "aten_ops_plain_step",
+        "extra_aten_ops_watched_step",
+        "extra_aten_ops_per_tensor_armed_per_param",
+        "aten_ops_param_l2_norms_per_param",
+        "plain_step_s",
+        "watched_step_s",
+        "watched_minus_plain_s",
+        "watched_over_plain",
+        "watch_read_s",
+        "armed_per_param_step_s",
+        "armed_per_param_over_plain",
+        "param_l2_norms_per_param_s",
+    }
+    assert row["tensors"] == 100
+    assert 0 < row["extra_aten_ops_watched_step"] <= 32
+    assert 0 < row["extra_aten_ops_per_tensor_armed_per_param"] <= 4
