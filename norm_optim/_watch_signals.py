@@ -62,8 +62,11 @@ class RollingStats:
             var, mean = torch.var_mean(self._filled[filled], dim=0, correction=1)
             torch.sqrt(var, out=self.std)
             self.mean.copy_(mean)
+        elif filled:
+            self.mean.copy_(self._rows[0])
+            self.std.zero_()
         else:
-            self.mean.copy_(self._rows[0]) if filled else self.mean.zero_()
+            self.mean.zero_()
             self.std.zero_()
         non_finite = torch.ne(self.x * 0, 0)  # x·0 is NaN exactly where x is NaN or ±inf
         torch.sub(self.x, self.mean, out=self.excess)
