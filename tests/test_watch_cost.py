@@ -71,6 +71,9 @@ LAYOUTS = {
     "dp2-fp16opt": (Layout(2, SMALL), False),
     "tp2-distopt": (Layout(2, SMALL, tp=2), True),
     "moe-ep2-distopt": (Layout(2, SMALL_MOE, ep=2), True),
+    # Params of a few hundred elements: the buffers are read as fine rows in place.
+    "dp2-distopt-many-small": (Layout(2, MANY_SMALL), True),
+    "dp2-fp16opt-many-small": (Layout(2, MANY_SMALL), False),
 }
 
 
@@ -118,10 +121,11 @@ def test_segmented_squares_against_float64() -> None:
     the host."""
     import random
 
-    from norm_optim._kernels.segments import Segment, SegmentedSquares
+    from norm_optim._kernels.segments import FINE, Segment, SegmentedSquares
     from tests.support.dispatch import host_made
 
     rng = random.Random(0)
+    paths: set[str] = set()
     for _ in range(30):
         buffers, segments = [], []
         for _ in range(rng.randint(1, 3)):
@@ -136,6 +140,9 @@ def test_segmented_squares_against_float64() -> None:
             buffers.append(torch.randn(n))
             segments.append(segs)
         plan = SegmentedSquares(buffers, segments, 7, torch.device("cpu"))
+        paths |= {"fine rows in place" for rows, _ in plan._reads if rows.shape[1] == FINE}
+        paths |= {"copied rows"} if plan._copies else set()
+        paths |= {"tails"} if plan._tails else set()
         for b in buffers:
             b.mul_(1.5)
         expected = torch.zeros(7, dtype=torch.float64)
@@ -145,3 +152,4 @@ def test_segmented_squares_against_float64() -> None:
         got, made = host_made(plan)
         assert made == 0
         assert torch.allclose(got[:7], expected, rtol=1e-6, atol=0)
+    assert paths == {"fine rows in place", "copied rows", "tails"}  # every path was taken
