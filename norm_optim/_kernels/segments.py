@@ -18,6 +18,12 @@ whole-tensor norm is not, see :mod:`.rows`), squared and added into the slots in
   ``index_select`` per source of fine rows), masked to that piece and normed together;
 * one ``index_add`` sends every row's float64 square to its segment's slot.
 
+The same ops run on an accelerator: a fixed handful of launches per call, where the fused
+multi-tensor norms of :mod:`.fused` (apex's / Transformer Engine's ``multi_tensor_l2norm``,
+torch's foreach) launch once per chunk of a hundred-odd tensors and need the per-tensor views
+listed; those stay for what has no flat buffer (the weights, the moments, grads that are no
+view of one).
+
 Rows that lie in no segment, or across a boundary, go to the last slot,
 :attr:`SegmentedSquares.dropped` (padding, other ranks' shards, params not counted here), which no
 reader looks at: a NaN there is harmless. Everything a call reads is made at build time (views,
@@ -254,7 +260,8 @@ class SegmentedSquares:
             mask = torch.zeros(len(pieces), FINE)
             for k, (_, (a, b), _) in enumerate(pieces):
                 mask[k, a:b] = 1
-            self._pieces = (into, mask.to(device), self._norms[n_reads + n_copied :])
+            mask = to_device(mask.view(-1).tolist(), torch.float32, device).view(-1, FINE)
+            self._pieces = (into, mask, self._norms[n_reads + n_copied :])
 
     @property
     def kept_bytes(self) -> int:
