@@ -1,0 +1,176 @@
+"""The resume proof's fingerprints: bitwise, position-sensitive, and the same on every layout.
+
+Real megatron-core optimizers on gloo CPU ranks. Each layout builds the same logical model and
+optimizer state: weights and fp32 mains from ``fill_deterministic_`` and the Adam moments from
+``fill_optimizer_state_deterministic_`` (both functions of each element's global name and index,
+written wherever megatron's own attributes say the layout keeps it), then one step count. The
+oracle is independent of the code under test: the same hash written again in numpy
+(``tests/support/fingerprint_oracle.py``) over the whole global tensors, regenerated on one
+process with no parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from norm_optim.testing import init_parallel, run_ranks
+from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes
+from norm_optim.testing.resume import fill_optimizer_state_deterministic_, state_name
+from norm_optim.testing.values import global_values, named_global_parameters
+from tests.support.fingerprint_oracle import fingerprint
+from tests.support.layouts import SMALL, SMALL_MOE, Layout
+
+SEED = 3
+TIMEOUT = 120.0
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layout: Layout
+    distributed: bool = True
+
+
+CASES = {
+    "float16-dp2": Case(Layout(2, SMALL), distributed=False),
+    "distributed-dp2": Case(Layout(2, SMALL)),
+    "distributed-dp4": Case(Layout(4, SMALL)),
+    "distributed-tp2-dp2": Case(Layout(4, SMALL, tp=2)),
+    "float16-tp2-pp2": Case(Layout(4, SMALL, tp=2, pp=2), distributed=False),
+    "distributed-cp2-dp2": Case(Layout(4, SMALL, cp=2)),
+    "moe-distributed-dp2": Case(Layout(2, SMALL_MOE)),
+    "moe-distributed-ep2-dp2": Case(Layout(4, SMALL_MOE, ep=2)),
+    "moe-float16-ep2-tp2": Case(Layout(4, SMALL_MOE, ep=2, tp=2), distributed=False),
+}
+
+
+def _filled(case: Case) -> tuple[list, Any]:
+    """This rank's model and optimizer, every weight, main and moment at its global value."""
+    init_parallel(**case.layout.parallel())
+    chunks = build_model(case.layout.cfg, use_distributed_optimizer=case.distributed, seed=5)
+    inner = build_optimizer(chunks, lr=1e-2)
+    train_step(chunks, inner, seed=0)  # Adam's state (and its step count of 1) exists
+    fill_deterministic_(chunks, SEED, optimizer=inner)
+    fill_optimizer_state_deterministic_(chunks, inner, SEED, MOMENTS)
+    return chunks, inner
+
+
+def _fingerprint_body(case: Case) -> dict[str, Any]:
+    from norm_optim import NormAwareOptimizer
+
+    chunks, inner = _filled(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    found = optimizer.state_fingerprint().to_json()
+    dtypes = {name: p.dtype for name, p in named_global_parameters(chunks)}
+    return {"found": found, "shapes": global_param_shapes(chunks), "dtypes": dtypes}
+
+
+def _oracle(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict:
+    """(name, state) -> (fingerprint, numel, norm) over the global tensors."""
+    out = {}
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        weight = global_values(name, SEED, numel)
+        tensors = {"param": (weight, dtypes[name]), "main_param": (weight, torch.float32)}
+        for key in MOMENTS:
+            values = global_values(state_name(name, key), SEED, numel)
+            tensors[key] = (values.abs() if key == "exp_avg_sq" else values, torch.float32)
+        for state, (values, dtype) in tensors.items():
+            rounded = values.to(dtype).double()
+            out[(name, state)] = (fingerprint(values, dtype), numel, float(rounded.norm()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=c.layout.marks()) for n, c in CASES.items()]
+)
+def test_fingerprint_equals_the_oracle_on_every_layout(name: str) -> None:
+    case = CASES[name]
+    results = run_ranks(_fingerprint_body, case.layout.world, case, timeout=TIMEOUT)
+    first = results[0]
+    assert all(r["found"] == first["found"] for r in results), "ranks disagree"
+    dtypes = {n: d for r in results for n, d in r["dtypes"].items()}  # every stage's
+    oracle = _oracle(first["shapes"], dtypes)
+    params = first["found"]["params"]
+    found = {
+        (param, state): (int(h, 16), n, norm)
+        for param, states in params.items()
+        for state, (h, n, _dtype, norm) in states.items()
+    }
+    assert set(found) == set(oracle), "not every (param, state) exactly once"
+    for key, (h, numel, norm) in oracle.items():
+        assert found[key][:2] == (h, numel), key
+        assert found[key][2] == pytest.approx(norm, rel=1e-9), key
+    assert first["found"]["scalars"]["step"] == 1.0
+    assert first["found"]["scalars"]["loss_scale"] == 1.0
+
+
+def test_same_state_same_fingerprint_across_layouts() -> None:
+    """A reshard's promise: TP2 x DP2 and DP4 (and Float16 at DP2) hold the same state."""
+    found = [
+        run_ranks(_fingerprint_body, c.layout.world, c, timeout=TIMEOUT)[0]["found"]
+        for c in (CASES["distributed-tp2-dp2"], CASES["distributed-dp4"], CASES["float16-dp2"])
+    ]
+    assert found[0] == found[1] == found[2]
+
+
+def _tamper_body(case: Case) -> dict[str, Any]:
+    """Fingerprint, tamper with one element pair or shard on one rank, fingerprint again."""
+    import torch.distributed as dist
+
+    from norm_optim import NormAwareOptimizer, verify_resume
+    from norm_optim.testing.resume import held_mains
+
+    chunks, inner = _filled(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    names = {id(p): n for n, p in named_global_parameters(chunks)}
+    saved = optimizer.state_fingerprint()
+    # The largest main this rank holds (rank 1): swap two different elements of its exp_avg.
+    held = sorted(held_mains(inner), key=lambda h: h[1].numel())
+    param, main, _, torch_optimizer = held[-1]
+    target = names[id(param)]
+    reports = {}
+    with torch.no_grad():
+        exp_avg = torch_optimizer.state[main]["exp_avg"].view(-1)
+        i, j = 0, int((exp_avg != exp_avg[0]).nonzero()[0])
+        if dist.get_rank() == 1:
+            exp_avg[i], exp_avg[j] = exp_avg[j].clone(), exp_avg[i].clone()
+        reports["swap"] = verify_resume(saved, optimizer.state_fingerprint(), 7)
+        if dist.get_rank() == 1:  # undo, then shift the main's shard by one element
+            exp_avg[i], exp_avg[j] = exp_avg[j].clone(), exp_avg[i].clone()
+            main.view(-1).copy_(main.view(-1).roll(1))
+        reports["shift"] = verify_resume(saved, optimizer.state_fingerprint(), 7)
+        for _, m, _, opt in held_mains(inner):  # every moment reset, on every rank
+            for key in MOMENTS:
+                opt.state[m][key].zero_()
+        reports["reset"] = verify_resume(saved, optimizer.state_fingerprint(), 7)
+    return {
+        "target": target if dist.get_rank() == 1 else None,
+        "params": len(saved.entries) // 4,
+        "reports": {
+            k: (r.count, [str(m) for m in r.shown], r.causes, r.line()) for k, r in reports.items()
+        },
+    }
+
+
+def test_a_swap_a_shift_and_a_reset_are_named() -> None:
+    case = CASES["distributed-dp2"]
+    results = run_ranks(_tamper_body, 2, case, timeout=TIMEOUT)
+    target = results[1]["target"]
+    reports = results[0]["reports"]
+    assert all(r["reports"] == reports for r in results), "ranks disagree"
+    count, shown, _, line = reports["swap"]
+    assert count == 1 and shown[0].startswith(f"{target}[exp_avg]"), line
+    assert line.startswith("norm_optim resume (iteration 7): 1 mismatches")
+    count, shown, causes, line = reports["shift"]
+    assert count == 1 and shown[0].startswith(f"{target}[main_param]"), line
+    assert any("weights are as saved" in c for c in causes), line
+    count, shown, causes, line = reports["reset"]
+    assert count == 2 * results[0]["params"] + 1, line  # and the main still shifted
+    assert any("reset to zero" in c for c in causes), line
