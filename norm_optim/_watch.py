@@ -183,6 +183,31 @@ class RollingStats:
         self._seen += 1
         return excess, mean, std
 
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        """What a checkpoint keeps of it: the signals' names, the count seen and the window's
+        values, oldest first (one host transfer)."""
+        filled = min(self._seen, self.config.window)
+        order = [(self._seen - filled + i) % self.config.window for i in range(filled)]
+        values = self._values[order].cpu() if order else self._values[:0].cpu()
+        return {"names": list(names), "seen": self._seen, "values": values}
+
+    def restore(self, state: dict[str, Any], names: Sequence[str]) -> bool:
+        """Take a saved :meth:`state` whose signals are ``names`` (in any order; a layout change
+        keeps the global names); False, and nothing taken, when the signals differ."""
+        index = {name: i for i, name in enumerate(state["names"])}
+        if set(index) != set(names):
+            return False
+        values = state["values"][:, [index[name] for name in names]]
+        values = values[-self.config.window :]
+        filled = values.shape[0]
+        seen = int(state["seen"])
+        rows = [(seen - filled + i) % self.config.window for i in range(filled)]
+        self._values.zero_()
+        if filled:
+            self._values[rows] = values.to(self._values.device, self._values.dtype)
+        self._seen = seen
+        return True
+
 
 # The columns of one step's summary (float64, on the device): read in one transfer at poll().
 _FLAG, _NON_FINITE, _BEST, _VALUE, _MEAN, _STD, _EXCESS, _LAYER, _PARAM = range(9)
@@ -229,6 +254,9 @@ class Watch:
         self._extra: collections.deque[tuple[torch.Tensor, str, int]] = collections.deque(
             maxlen=2 * config.window
         )
+        # Saved statistics (load_state_dict) not yet taken: grads signals are built at the
+        # first watched step, when their names are known.
+        self._restored: dict[str, Any] = {}
         self.steps = 0
         """Watched steps so far (the iteration of an alarm when the caller names none)."""
         self.alarms_total = 0
@@ -247,6 +275,7 @@ class Watch:
             self._signals = _Signals(layers, params)
             self._grads = RollingStats(1 + len(layers) + len(params), self.config, device)
             self._key = slots
+            self._take_restored(GRADS, self._grads, self._grads_names())
         tail = squares[2:]
         layer_squares = tail.new_zeros(len(self._signals.layers) + 1).index_add_(
             0, slots.layers.groups, tail
@@ -304,6 +333,7 @@ class Watch:
         value = torch.as_tensor(loss, dtype=torch.float64).reshape(1)
         if self._loss is None:
             self._loss = RollingStats(1, self.config, value.device)
+            self._take_restored(LOSS, self._loss, (LOSS,))
         excess, mean, std = self._loss.judge(value)
         self._extra.append(
             (self._summary(excess, value, mean, std, ~torch.isfinite(value[0])), LOSS, self.steps)
@@ -315,12 +345,59 @@ class Watch:
         if self._ratios is None or names != self._ratio_names:
             self._ratios = RollingStats(len(names), self.config, ratios.device)
             self._ratio_names = names
+            self._take_restored(RATIO, self._ratios, names)
         if not names:
             return
         x = ratios.to(torch.float64)
         excess, mean, std = self._ratios.judge(x)
         summary = self._summary(excess, x, mean, std, torch.zeros((), dtype=torch.bool))
         self._extra.append((summary, RATIO, self.steps))
+
+    # ------------------------------------------------------------ across a restart
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rolling statistics (by signal name: global, the same on any layout) and the
+        counts, for a checkpoint. The loss's are on the ranks that observe the loss only."""
+        state: dict[str, Any] = {
+            "steps": self.steps,
+            "alarms_total": self.alarms_total,
+            "window": self.config.window,
+        }
+        built = (
+            (GRADS, self._grads, self._grads_names() if self._signals else ()),
+            (LOSS, self._loss, (LOSS,)),
+            (RATIO, self._ratios, self._ratio_names),
+        )
+        for key, stats, names in built:
+            if stats is not None:
+                state[key] = stats.state(names)
+            elif key in self._restored:  # restored, not used yet: keep it for the next save
+                state[key] = self._restored[key]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take saved statistics: each signal's window is restored when the watch first sees
+        that signal (the grads' at the next watched step), so the steps after a resume are
+        judged as they would have been without the restart."""
+        self.steps = int(state.get("steps", 0))
+        self.alarms_total = int(state.get("alarms_total", 0))
+        self._restored = {k: state[k] for k in (GRADS, LOSS, RATIO) if k in state}
+        self._grads = self._loss = self._ratios = None
+        self._signals, self._key, self._ratio_names = None, None, ()
+
+    def _take_restored(self, key: str, stats: RollingStats, names: Sequence[str]) -> None:
+        saved = self._restored.pop(key, None)
+        if saved is not None and not stats.restore(saved, names):
+            LOGGER.info(
+                "norm_optim watch: the saved %s statistics are for other signals (another "
+                "model?): they start afresh",
+                key,
+            )
+
+    def _grads_names(self) -> tuple[str, ...]:
+        signals = self._signals
+        assert signals is not None
+        return tuple(signals.name(i) for i in range(1 + len(signals.layers) + len(signals.params)))
 
     # ------------------------------------------------------------ reading
 

@@ -102,7 +102,7 @@ def _saving_install(action: str) -> Any:
     from norm_optim.testing._internal.loop_patches import torch_dist_save_patches
 
     PatchSet.apply(torch_dist_save_patches())  # the rank is a fresh process: nothing to undo
-    return megatron_bridge.install(checkpoint_parity=True, audit_action=action)
+    return megatron_bridge.install(resume_proof=True, audit_action=action)
 
 
 def test_checkpoint_parity_at_load(tmp_path: Path) -> None:

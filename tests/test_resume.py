@@ -174,3 +174,46 @@ def test_a_swap_a_shift_and_a_reset_are_named() -> None:
     count, shown, causes, line = reports["reset"]
     assert count == 2 * results[0]["params"] + 1, line  # and the main still shifted
     assert any("reset to zero" in c for c in causes), line
+
+
+def _restart_body(restore: bool, directory: str) -> list[tuple[int, str, Any, Any]]:
+    """Train 12 watched steps, save the watch's state through a file, then a new wrapper and
+    watch over the same model and optimizer (the state a checkpoint load restores exactly):
+    a spike 5 steps after the restart, with or without the saved statistics."""
+    import os
+
+    from norm_optim import NormAwareOptimizer
+    from tests.test_watch import CONFIG, SEED as WATCH_SEED, SPIKED, Spiker
+
+    init_parallel()
+    chunks = build_model(SMALL, use_distributed_optimizer=True, seed=WATCH_SEED)
+    inner = build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
+    before = NormAwareOptimizer(inner, model=chunks)
+    watch = before.watch(**CONFIG)
+    for step in range(1, 13):
+        train_step(chunks, before, seed=step)
+        assert watch.poll(step) == ()
+    path = os.path.join(directory, "watch.pt")
+    torch.save(watch.state_dict(), path)
+
+    after = NormAwareOptimizer(inner, model=chunks)  # the restarted run's wrapper
+    resumed = after.watch(**CONFIG)
+    if restore:
+        resumed.load_state_dict(torch.load(path))
+    spiker = Spiker(after, chunks, SPIKED)
+    spiker.spike_at = {5}
+    alarms = []
+    for step in range(13, 18):
+        train_step(chunks, spiker, seed=step)
+        alarms += [(a.iteration, a.signal, a.layer, a.param) for a in resumed.poll(step)]
+    return alarms
+
+
+@pytest.mark.parametrize("restore", [True, False], ids=["restored", "fresh"])
+def test_the_watch_judges_the_first_steps_after_a_restart(tmp_path: Any, restore: bool) -> None:
+    alarms = run_ranks(_restart_body, 1, restore, str(tmp_path), timeout=TIMEOUT)[0]
+    if restore:
+        assert [(a[0], a[3]) for a in alarms] == [(17, "decoder.layers.1.mlp.linear_fc1.weight")]
+        assert alarms[0][2] == "1"
+    else:  # a fresh watch is still warming up (8 steps): the spike goes unjudged
+        assert alarms == []
