@@ -27,7 +27,7 @@ from ._comm import Communicator, ProcessGroup
 from ._errors import UnsupportedOptimizerError
 from ._kernels.position_hash import DTYPE_CODES, hash_and_squares
 from ._megatron.holdings import local
-from ._megatron.placement import placement_of
+from ._megatron.placement import megatron_fsdp_shards, placement_of
 from ._norm import EXPERT, NormReducer
 from ._ownership import RankCoords
 
@@ -137,9 +137,11 @@ def fingerprint_state(
     refusal = _refusal(registry)
     if refusal is None:
         try:
+            # Megatron-FSDP: where each shard starts, and its bf16 weight shard.
+            shards = megatron_fsdp_shards(registry.chunks or ())
             for record, slot in zip(registry.counted, slots):
                 base = (slot - EXPERT - 1) * len(STATES)
-                for state, tensor, indices in _hashed(record, registry, coords, scalars):
+                for state, tensor, indices in _hashed(record, registry, coords, scalars, shards):
                     h, squares = hash_and_squares(tensor, indices)
                     rows.append(base + STATES.index(state))
                     values.append(_row(h, squares, tensor.numel(), tensor.dtype, device))
@@ -157,13 +159,10 @@ def fingerprint_state(
 
 
 def _refusal(registry: Any) -> Optional[str]:
-    kinds = {leaf.kind for leaf in registry.descriptor.leaves}
-    fsdp = sorted(k for k in kinds if "fsdp" in k)
-    if fsdp:
+    if any(leaf.kind == "megatron-fsdp-v2" for leaf in registry.descriptor.leaves):
         return (
-            f"the resume fingerprint does not read a {fsdp[0]} optimizer's shards yet (their "
-            "global positions are not stated per shard); use the distributed optimizer, DDP or "
-            "torch FSDP2, or save with checkpoint norms only"
+            "the resume fingerprint does not read Megatron-FSDP v2's shards yet (megatron-core "
+            "main); Megatron-FSDP v1, the distributed optimizer, DDP and torch FSDP2 are read"
         )
     return None
 
@@ -202,10 +201,20 @@ class _Scalars:
         return torch.stack(rows + [unknown.to(device)])
 
 
-def _hashed(record: Any, registry: Any, coords: RankCoords, scalars: _Scalars) -> Iterable[Any]:
+def _hashed(
+    record: Any,
+    registry: Any,
+    coords: RankCoords,
+    scalars: _Scalars,
+    shards: Mapping[int, tuple[int, torch.Tensor]],
+) -> Iterable[Any]:
     """(state, tensor, global indices of its elements) of each tensor hashed for a record; the
     scalars it finds go to ``scalars``."""
     tensor, offset, n = record.tensor, record.offset, record.tensor.numel()
+    if id(record.param) in shards:  # Megatron-FSDP: the shard's own start and weights
+        offset, weight = shards[id(record.param)]
+    else:
+        weight = local(record.param).reshape(-1)[offset : offset + n]
     placement = placement_of(
         record.name,
         record.param,
@@ -219,7 +228,6 @@ def _hashed(record: Any, registry: Any, coords: RankCoords, scalars: _Scalars) -
     def indices(start: int, end: int) -> torch.Tensor:
         return placement.indices(offset + start, offset + end, device)
 
-    weight = local(record.param).reshape(-1)[offset : offset + n]
     yield PARAM, weight, indices
     if record.source.is_frozen:
         return

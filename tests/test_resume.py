@@ -21,10 +21,16 @@ import torch
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import fill_deterministic_, global_param_shapes
-from norm_optim.testing.resume import fill_optimizer_state_deterministic_, state_name
+from norm_optim.testing.resume import (
+    fill_optimizer_state_deterministic_,
+    init_optimizer_state_,
+    state_name,
+)
 from norm_optim.testing.values import global_values, named_global_parameters
 from tests.support.fingerprint_oracle import fingerprint
-from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.layouts import NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
+
+UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)  # FSDP2 ties no weights
 
 SEED = 3
 TIMEOUT = 120.0
@@ -35,6 +41,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class Case:
     layout: Layout
     distributed: bool = True
+    fsdp2: bool = False  # Megatron's torch FSDP2 wrapper (Float16 optimizer over DTensors)
+    # get_megatron_optimizer's fields beyond the defaults (SGD's momentum, Muon's layer-wise
+    # optimizer), or "precision-aware" / "remainders": megatron's precision-aware distributed
+    # optimizer on the stand-in for TE's FusedAdam (bf16 moments; int16 master remainders).
+    optimizer: tuple[tuple[str, Any], ...] = ()
+    precision_aware: str = ""
+    megatron_fsdp: bool = False  # Megatron-FSDP v1 (optim_grads_params)
 
 
 CASES = {
@@ -47,56 +60,107 @@ CASES = {
     "moe-distributed-dp2": Case(Layout(2, SMALL_MOE)),
     "moe-distributed-ep2-dp2": Case(Layout(4, SMALL_MOE, ep=2)),
     "moe-float16-ep2-tp2": Case(Layout(4, SMALL_MOE, ep=2, tp=2), distributed=False),
+    "torch-fsdp2-dp2": Case(Layout(2, UNTIED), distributed=False, fsdp2=True),
+    "torch-fsdp2-tp2-dp2": Case(Layout(4, UNTIED, tp=2), distributed=False, fsdp2=True),
+    "untied-float16-dp1": Case(Layout(1, UNTIED), distributed=False),
+    "sgd-momentum-float16-dp2": Case(
+        Layout(2, SMALL), distributed=False, optimizer=(("optimizer", "sgd"), ("sgd_momentum", 0.9))
+    ),
+    "muon-layer-wise-dp2": Case(
+        Layout(2, SMALL, optimizer="muon", layer_wise=True),
+        distributed=False,
+        optimizer=(("optimizer", "muon"), ("use_layer_wise_distributed_optimizer", True)),
+    ),
+    # Stand-in for TE's FusedAdam (TE cannot run on a CPU): tests/support/precision_aware_standin.
+    "precision-aware-standin-dp2": Case(Layout(2, SMALL), precision_aware="bf16-moments"),
+    "precision-aware-standin-remainders-dp2": Case(Layout(2, SMALL), precision_aware="remainders"),
+    "megatron-fsdp-dp2": Case(Layout(2, SMALL), megatron_fsdp=True),
+    "megatron-fsdp-tp2-dp2": Case(Layout(4, SMALL, tp=2), megatron_fsdp=True),
+    "megatron-fsdp-moe-ep2-dp2": Case(Layout(4, SMALL_MOE, ep=2), megatron_fsdp=True),
 }
 
 
 def _filled(case: Case) -> tuple[list, Any]:
     """This rank's model and optimizer, every weight, main and moment at its global value."""
     init_parallel(**case.layout.parallel())
-    chunks = build_model(case.layout.cfg, use_distributed_optimizer=case.distributed, seed=5)
-    inner = build_optimizer(chunks, lr=1e-2)
-    train_step(chunks, inner, seed=0)  # Adam's state (and its step count of 1) exists
+    if case.fsdp2:
+        from norm_optim.testing.torch_fsdp2 import build_torch_fsdp2_model
+
+        chunks = build_torch_fsdp2_model(case.layout.cfg, seed=5)
+    elif case.megatron_fsdp:
+        from norm_optim.testing.megatron_fsdp import build_fsdp_model
+
+        chunks = build_fsdp_model(case.layout.cfg, seed=5)
+    else:
+        chunks = build_model(case.layout.cfg, use_distributed_optimizer=case.distributed, seed=5)
+    if case.precision_aware:
+        from tests.support.precision_aware_standin import build_precision_aware_optimizer
+
+        inner = build_precision_aware_optimizer(
+            chunks,
+            store_param_remainders=case.precision_aware == "remainders",
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+        )
+    else:
+        inner = build_optimizer(chunks, lr=1e-2, **dict(case.optimizer))
+    init_optimizer_state_(inner)  # the state (and a step count of 1) exists
     fill_deterministic_(chunks, SEED, optimizer=inner)
-    fill_optimizer_state_deterministic_(chunks, inner, SEED, MOMENTS)
-    return chunks, inner
+    filled = fill_optimizer_state_deterministic_(chunks, inner, SEED)
+    return chunks, inner, filled
 
 
 def _fingerprint_body(case: Case) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer
 
-    chunks, inner = _filled(case)
+    chunks, inner, filled = _filled(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     found = optimizer.state_fingerprint().to_json()
     dtypes = {name: p.dtype for name, p in named_global_parameters(chunks)}
-    return {"found": found, "shapes": global_param_shapes(chunks), "dtypes": dtypes}
+    return {
+        "found": found,
+        "shapes": global_param_shapes(chunks),
+        "dtypes": dtypes,
+        "filled": filled,
+    }
 
 
-def _oracle(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict:
-    """(name, state) -> (fingerprint, numel, norm) over the global tensors."""
+def _oracle(
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, torch.dtype],
+    filled: dict[tuple[str, str], torch.dtype],
+) -> dict:
+    """(name, state) -> (fingerprint, numel, norm) over the global tensors: the weight in the
+    model's dtype, its fp32 main, and each state tensor the optimizer keeps, in its dtype."""
     out = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)
         weight = global_values(name, SEED, numel)
         tensors = {"param": (weight, dtypes[name]), "main_param": (weight, torch.float32)}
-        for key in MOMENTS:
-            values = global_values(state_name(name, key), SEED, numel)
-            tensors[key] = (values.abs() if key == "exp_avg_sq" else values, torch.float32)
+        for (param, key), dtype in filled.items():
+            if param == name:
+                values = global_values(state_name(name, key), SEED, numel)
+                tensors[key] = (values.abs() if key == "exp_avg_sq" else values, dtype)
         for state, (values, dtype) in tensors.items():
             rounded = values.to(dtype).double()
             out[(name, state)] = (fingerprint(values, dtype), numel, float(rounded.norm()))
     return out
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=c.layout.marks()) for n, c in CASES.items()]
-)
+def _marks(case: Case) -> list:
+    return case.layout.marks() + ([NEEDS_TORCH_FSDP2] if case.fsdp2 else [])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(c)) for n, c in CASES.items()])
 def test_fingerprint_equals_the_oracle_on_every_layout(name: str) -> None:
     case = CASES[name]
     results = run_ranks(_fingerprint_body, case.layout.world, case, timeout=TIMEOUT)
     first = results[0]
     assert all(r["found"] == first["found"] for r in results), "ranks disagree"
     dtypes = {n: d for r in results for n, d in r["dtypes"].items()}  # every stage's
-    oracle = _oracle(first["shapes"], dtypes)
+    filled = {k: d for r in results for k, d in r["filled"].items()}
+    assert filled, "no optimizer state"
+    oracle = _oracle(first["shapes"], dtypes, filled)
     params = first["found"]["params"]
     found = {
         (param, state): (int(h, 16), n, norm)
@@ -107,16 +171,38 @@ def test_fingerprint_equals_the_oracle_on_every_layout(name: str) -> None:
     for key, (h, numel, norm) in oracle.items():
         assert found[key][:2] == (h, numel), key
         assert found[key][2] == pytest.approx(norm, rel=1e-9), key
-    assert first["found"]["scalars"]["step"] == 1.0
+    # SGD keeps no step count; every other optimizer here stepped once.
+    assert first["found"]["scalars"]["step"] == (None if "sgd" in name else 1.0)
     assert first["found"]["scalars"]["loss_scale"] == 1.0
 
 
-def test_same_state_same_fingerprint_across_layouts() -> None:
-    """A reshard's promise: TP2 x DP2 and DP4 (and Float16 at DP2) hold the same state."""
-    found = [
-        run_ranks(_fingerprint_body, c.layout.world, c, timeout=TIMEOUT)[0]["found"]
-        for c in (CASES["distributed-tp2-dp2"], CASES["distributed-dp4"], CASES["float16-dp2"])
+def _found(*names: str) -> list[dict]:
+    return [
+        run_ranks(_fingerprint_body, CASES[n].layout.world, CASES[n], timeout=TIMEOUT)[0]["found"]
+        for n in names
     ]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        pytest.param(("distributed-tp2-dp2", "distributed-dp4", "float16-dp2"), id="dense"),
+        pytest.param(
+            ("moe-distributed-ep2-dp2", "moe-distributed-dp2", "moe-float16-ep2-tp2"), id="moe-ep"
+        ),
+        pytest.param(
+            ("megatron-fsdp-tp2-dp2", "megatron-fsdp-dp2", "distributed-dp4"), id="megatron-fsdp"
+        ),
+        pytest.param(
+            ("torch-fsdp2-tp2-dp2", "torch-fsdp2-dp2", "untied-float16-dp1"),
+            id="torch-fsdp2",
+            marks=NEEDS_TORCH_FSDP2,
+        ),
+    ],
+)
+def test_same_state_same_fingerprint_across_layouts(names: tuple[str, ...]) -> None:
+    """A reshard's promise: one state, held on three layouts, one fingerprint."""
+    found = _found(*names)
     assert found[0] == found[1] == found[2]
 
 
@@ -127,7 +213,7 @@ def _tamper_body(case: Case) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer, verify_resume
     from norm_optim.testing.resume import held_mains
 
-    chunks, inner = _filled(case)
+    chunks, inner, _ = _filled(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
     names = {id(p): n for n, p in named_global_parameters(chunks)}
     saved = optimizer.state_fingerprint()

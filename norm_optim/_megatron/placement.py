@@ -7,7 +7,9 @@ megatron and torch state about sharding, as the counting rule's facts do:
 - the model's checkpoint declarations (:mod:`.declarations`): the global shape of each param and
   where this rank's TP-local part starts in it (a SwiGLU ``linear_fc1``, saved as two tensors by
   a factory, is the two parts laid end to end);
-- a DTensor's placements (torch FSDP2): ``compute_local_shape_and_global_offset``;
+- a DTensor's placements (torch FSDP2): ``compute_local_shape_and_global_offset`` places the
+  local tensor in the DTensor (under Megatron's FSDP2 wrapper, the TP-local param; TP then
+  places that, as for any param);
 - megatron's markers where a param has no declaration (``partition_dim`` and the TP rank);
 - the distributed optimizer's shard range: where the held shard starts in the flattened
   TP-local param (:attr:`~norm_optim.ParamRecord.offset`).
@@ -48,9 +50,10 @@ class Piece:
     def numel(self) -> int:
         return math.prod(self.local_shape)
 
-    def indices(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-        """Global flat indices of its elements ``[lo, hi)`` (piece-local positions)."""
-        rest = torch.arange(lo, hi, dtype=torch.int64, device=device)
+    def map(self, positions: torch.Tensor) -> torch.Tensor:
+        """The global flat index of each of ``positions`` (int64, in the flattened TP-local
+        param, all inside this piece)."""
+        rest = positions - self.start
         out = torch.full_like(rest, self.base)
         stride = 1
         for length, start, whole in reversed(
@@ -64,28 +67,36 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where every element of a flattened TP-local param sits in its global tensor.
+    """Where every element a rank holds of a param sits in the param's global tensor.
 
     Attributes:
-        pieces: the param's blocks, in order, covering it exactly.
+        pieces: the TP-local param's blocks, in order, covering it exactly.
         global_numel: the number of elements of the global tensor (all parts).
         global_shape: its shape (the first part's, for a param saved in parts).
+        inner: for a DTensor (torch FSDP2), where this rank's local tensor sits in the
+            TP-local param (its block from the placements); None: the held tensor is a flat
+            range of the TP-local param itself.
     """
 
     pieces: tuple[Piece, ...]
     global_numel: int
     global_shape: tuple[int, ...]
+    inner: Optional[Piece] = None
 
     def indices(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """Global flat indices of the TP-local param's flat elements ``[start, end)``."""
-        parts = []
-        for piece in self.pieces:
-            lo, hi = max(start, piece.start), min(end, piece.start + piece.numel)
-            if lo < hi:
-                parts.append(piece.indices(lo - piece.start, hi - piece.start, device))
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+        """Global flat indices of the held flat elements ``[start, end)``."""
+        positions = torch.arange(start, end, dtype=torch.int64, device=device)
+        if self.inner is not None:
+            positions = self.inner.map(positions)
+        if len(self.pieces) == 1:
+            return self.pieces[0].map(positions)
+        starts = torch.tensor([p.start for p in self.pieces], dtype=torch.int64, device=device)
+        which = torch.bucketize(positions, starts, right=True) - 1
+        out = torch.empty_like(positions)
+        for k, piece in enumerate(self.pieces):
+            chosen = which == k
+            out[chosen] = piece.map(positions[chosen])
+        return out
 
 
 def _whole(shape: Sequence[int], base: int = 0, start: int = 0) -> Piece:
@@ -112,27 +123,34 @@ def placement_of(
             (a strided TP split with no declaration, a DTensor placement that is not an
             offset block, a declaration that does not cover the param).
     """
-    local = _dtensor_piece(name, param)
-    if local is not None:
-        return Placement((local,), math.prod(local.global_shape), local.global_shape)
+    inner = _dtensor_piece(name, param)  # a DTensor's shape is its whole (TP-local) shape
     shape = tuple(param.shape)
     declared: Optional[Declaration] = declarations.by_param.get(id(param))
+    pieces: Optional[tuple[Piece, ...]] = None
     if declared is not None:
         pieces = _declared_pieces(declared)
-    elif tp_split:
-        pieces = (_marked_piece(name, param, coords, expert),)
-    else:
-        pieces = (_whole(shape),)
-    covered = sum(p.numel for p in pieces)
-    if covered != param.numel() or any(
-        p.local_shape[1:] != shape[1:] and len(pieces) > 1 for p in pieces
-    ):
+        if not _covers(pieces, shape):
+            # Seen on megatron-core 0.19 under Megatron-FSDP: a declaration of the padded
+            # vocabulary's shape beside a param of another; the markers then place it.
+            pieces = None
+    if pieces is None:
+        pieces = (_marked_piece(name, param, coords, expert),) if tp_split else (_whole(shape),)
+    if not _covers(pieces, shape):
         raise UnsupportedOptimizerError(
             f"the resume fingerprint cannot place {name!r} (shape {shape}) in its global "
-            f"tensor: its declaration covers {covered} of its {param.numel()} elements"
+            f"tensor: neither its declaration ({declared}) nor its markers cover it"
         )
     total = sum(math.prod(p.global_shape) for p in pieces)
-    return Placement(pieces, total, pieces[0].global_shape)
+    return Placement(pieces, total, pieces[0].global_shape, inner)
+
+
+def _covers(pieces: Sequence[Piece], shape: tuple[int, ...]) -> bool:
+    """Whether the pieces cut a param of ``shape`` exactly, in blocks of whole rows."""
+    if len(pieces) == 1:
+        return pieces[0].local_shape == shape
+    return sum(p.numel for p in pieces) == math.prod(shape) and all(
+        p.local_shape[1:] == shape[1:] for p in pieces
+    )
 
 
 def _declared_pieces(declared: Declaration) -> tuple[Piece, ...]:
@@ -183,3 +201,21 @@ def _dtensor_piece(name: str, param: torch.Tensor) -> Optional[Piece]:
         )
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
     return Piece(0, tuple(local_shape), tuple(param.shape), tuple(offset))
+
+
+def megatron_fsdp_shards(chunks: Sequence[torch.nn.Module]) -> dict[int, tuple[int, torch.Tensor]]:
+    """``id(model param)`` -> (where this rank's shard starts in the flattened param, its bf16
+    weight shard) of every param of Megatron-FSDP (v1) chunks: its main-weight and model-weight
+    buffers shard each bucket alike, and the param's own data is the unsharded buffer, current
+    only between a gather and its release. Empty for other chunks."""
+    shards: dict[int, tuple[int, torch.Tensor]] = {}
+    for chunk in chunks:
+        buffer = getattr(chunk, "param_and_grad_buffer", None)
+        for group in getattr(buffer, "parameter_groups", None) or ():
+            weights = group.model_weight_buffer
+            for item, param in enumerate(group.params):
+                # megatron_fsdp/param_and_grad_buffer.py (0.14-0.19) DataParallelBuffer: the
+                # part of item ``item`` in this rank's shard, in the item's own coordinates.
+                start, _ = weights._get_item_slice_in_shard(item)
+                shards[id(param)] = (int(start), weights.get_item(item, only_shard=True))
+    return shards
