@@ -148,6 +148,8 @@ def fingerprint_state(
             scalars.from_leaves(registry.descriptor.leaves)
         except UnsupportedOptimizerError as error:  # said on every rank, after the reduce
             refusal, rows, values = str(error), [], []
+        except Exception as error:  # noqa: BLE001 -- never a hang: every rank reduces, then raises
+            refusal, rows, values = f"failed on a rank: {type(error).__name__}: {error}", [], []
     head = len(names) * len(STATES)
     table = torch.zeros(head + len(SCALARS) + 1, _WIDTH, dtype=torch.float64, device=device)
     if values:

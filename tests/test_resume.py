@@ -12,6 +12,7 @@ process with no parallelism.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -151,10 +152,16 @@ def _marks(case: Case) -> list:
     return case.layout.marks() + ([NEEDS_TORCH_FSDP2] if case.fsdp2 else [])
 
 
+@functools.lru_cache(maxsize=None)
+def _run(name: str) -> tuple[dict[str, Any], ...]:
+    """Every rank's fingerprint of case ``name`` (each case runs once per session)."""
+    case = CASES[name]
+    return tuple(run_ranks(_fingerprint_body, case.layout.world, case, timeout=TIMEOUT))
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(c)) for n, c in CASES.items()])
 def test_fingerprint_equals_the_oracle_on_every_layout(name: str) -> None:
-    case = CASES[name]
-    results = run_ranks(_fingerprint_body, case.layout.world, case, timeout=TIMEOUT)
+    results = _run(name)
     first = results[0]
     assert all(r["found"] == first["found"] for r in results), "ranks disagree"
     dtypes = {n: d for r in results for n, d in r["dtypes"].items()}  # every stage's
@@ -177,10 +184,7 @@ def test_fingerprint_equals_the_oracle_on_every_layout(name: str) -> None:
 
 
 def _found(*names: str) -> list[dict]:
-    return [
-        run_ranks(_fingerprint_body, CASES[n].layout.world, CASES[n], timeout=TIMEOUT)[0]["found"]
-        for n in names
-    ]
+    return [_run(n)[0]["found"] for n in names]
 
 
 @pytest.mark.parametrize(
@@ -303,3 +307,30 @@ def test_the_watch_judges_the_first_steps_after_a_restart(tmp_path: Any, restore
         assert alarms[0][2] == "1"
     else:  # a fresh watch is still warming up (8 steps): the spike goes unjudged
         assert alarms == []
+
+
+def _failing_body(case: Case) -> str:
+    """A fingerprint that fails on rank 1 only (a bug, an odd tensor): every rank must still
+    enter the reduce, then raise alike."""
+    import torch.distributed as dist
+
+    import norm_optim._resume as resume
+    from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
+
+    chunks, inner, _ = _filled(case)
+    optimizer = NormAwareOptimizer(inner, model=chunks)
+    if dist.get_rank() == 1:
+
+        def broken(*args: Any) -> Any:
+            raise RuntimeError("an odd tensor")
+
+        resume.hash_and_squares = broken
+    with pytest.raises(UnsupportedOptimizerError) as raised:
+        optimizer.state_fingerprint()
+    return str(raised.value)
+
+
+def test_a_failure_on_one_rank_is_an_error_on_every_rank_not_a_hang() -> None:
+    said = run_ranks(_failing_body, 2, CASES["distributed-dp2"], timeout=TIMEOUT)
+    assert "another rank" in said[0]
+    assert "RuntimeError: an odd tensor" in said[1]

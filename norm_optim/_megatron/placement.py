@@ -18,6 +18,7 @@ megatron and torch state about sharding, as the counting rule's facts do:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -50,15 +51,27 @@ class Piece:
     def numel(self) -> int:
         return math.prod(self.local_shape)
 
+    @functools.cached_property
+    def _axes(self) -> tuple[tuple[int, int, int], ...]:
+        """(local length, offset, global length) per axis, each trailing axis that the piece
+        holds whole merged into the one before it: a TP split on dim 0 (or none) is one axis,
+        so its map is one add; a split on dim 1 two."""
+        axes = list(zip(self.local_shape, self.offset, self.global_shape)) or [(1, 0, 1)]
+        while len(axes) > 1 and axes[-1][0] == axes[-1][2] and axes[-1][1] == 0:
+            (length, start, whole), (inner, _, _) = axes[-2], axes.pop()
+            axes[-1] = (length * inner, start * inner, whole * inner)
+        return tuple(axes)
+
     def map(self, positions: torch.Tensor) -> torch.Tensor:
         """The global flat index of each of ``positions`` (int64, in the flattened TP-local
         param, all inside this piece)."""
+        axes = self._axes
+        if len(axes) == 1:
+            return positions + (axes[0][1] + self.base - self.start)
         rest = positions - self.start
         out = torch.full_like(rest, self.base)
         stride = 1
-        for length, start, whole in reversed(
-            list(zip(self.local_shape, self.offset, self.global_shape))
-        ):
+        for length, start, whole in reversed(axes):
             out += (rest % length + start) * stride
             rest = rest.div_(length, rounding_mode="floor")
             stride *= whole
