@@ -132,7 +132,9 @@ def fingerprint_state(
     names = [name for name, _ in reducer.names or ()]
     device = reducer.device
     rows: list[int] = []
-    values: list[torch.Tensor] = []
+    hashes: list[torch.Tensor] = []
+    squares: list[torch.Tensor] = []
+    facts: list[tuple[float, float, float, float]] = []  # numel, holders, dtype code, its square
     scalars = _Scalars()
     refusal = _refusal(registry)
     if refusal is None:
@@ -142,18 +144,21 @@ def fingerprint_state(
             for record, slot in zip(registry.counted, slots):
                 base = (slot - EXPERT - 1) * len(STATES)
                 for state, tensor, indices in _hashed(record, registry, coords, scalars, shards):
-                    h, squares = hash_and_squares(tensor, indices)
+                    h, sq = hash_and_squares(tensor, indices)
+                    code = float(DTYPE_CODES[tensor.dtype])
                     rows.append(base + STATES.index(state))
-                    values.append(_row(h, squares, tensor.numel(), tensor.dtype, device))
+                    hashes.append(h.to(device))
+                    squares.append(sq.to(device))
+                    facts.append((float(tensor.numel()), 1.0, code, code * code))
             scalars.from_leaves(registry.descriptor.leaves)
         except UnsupportedOptimizerError as error:  # said on every rank, after the reduce
-            refusal, rows, values = str(error), [], []
+            refusal, rows = str(error), []
         except Exception as error:  # noqa: BLE001 -- never a hang: every rank reduces, then raises
-            refusal, rows, values = f"failed on a rank: {type(error).__name__}: {error}", [], []
+            refusal, rows = f"failed on a rank: {type(error).__name__}: {error}", []
     head = len(names) * len(STATES)
     table = torch.zeros(head + len(SCALARS) + 1, _WIDTH, dtype=torch.float64, device=device)
-    if values:
-        table.index_add_(0, torch.tensor(rows, device=device), torch.stack(values))
+    if rows:
+        table.index_add_(0, torch.tensor(rows, device=device), _rows(hashes, squares, facts))
     table[head:, :3] = scalars.table(device)
     table[head + _UNKNOWN_ROW, 3] = float(refusal is not None)
     comm.all_reduce_sum(table, group, False).wait()
@@ -248,15 +253,18 @@ def _hashed(
             scalars.unknown.add(key)
 
 
-def _row(
-    h: torch.Tensor, squares: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
+def _rows(
+    hashes: Sequence[torch.Tensor],
+    squares: Sequence[torch.Tensor],
+    facts: Sequence[tuple[float, float, float, float]],
 ) -> torch.Tensor:
-    """One table row: the hash as four 16-bit limbs, numel, one holder, the dtype code and its
-    square, the sum of squares (on ``device``, no host sync)."""
-    limbs = torch.stack([(h >> (16 * k)) & 0xFFFF for k in range(4)]).to(torch.float64)
-    code = float(DTYPE_CODES[dtype])
-    tail = torch.tensor([float(numel), 1.0, code, code * code], dtype=torch.float64)
-    return torch.cat([limbs.to(device), tail.to(device), squares.reshape(1).to(device)])
+    """The table rows of the hashed tensors, built at once on the device (no host sync): each
+    hash as four 16-bit limbs, then numel, one holder, the dtype code and its square, the sum
+    of squares."""
+    h = torch.stack(list(hashes))
+    limbs = torch.stack([(h >> (16 * k)) & 0xFFFF for k in range(4)], dim=1).to(torch.float64)
+    known = torch.tensor(facts, dtype=torch.float64).to(h.device)
+    return torch.cat([limbs, known, torch.stack(list(squares)).reshape(-1, 1)], dim=1)
 
 
 def _read(
