@@ -63,7 +63,8 @@ LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdown
               tests/test_step_norms_precision_aware.py tests/test_watch.py \
               tests/test_declarations.py tests/test_name_exchange.py tests/test_scale.py \
               tests/test_remainders.py tests/test_example.py tests/test_gpu_check.py \
-              tests/test_watch_megatron_lm.py
+              tests/test_watch_megatron_lm.py tests/test_resume.py tests/test_resume_megatron_lm.py \
+              tests/test_resume_example.py
 
 # The torch range: setup.cfg's floor and the newest torch pip installs, each with the tests that
 # read the optimizer's rule and state (TORCH_TESTS). The floor: a copy of .venv (Python 3.11) with

@@ -14,7 +14,8 @@ Operations, each timed in this thread's CPU time minus the simulator's own (``Py
 ``param_l2_norm()``, ``param_l2_norms(per_param=True)`` first (the names exchange: other
 pipeline stages and expert ranks hold other names) and later, an armed step
 (``measure_next_step`` + ``step``), ``audit()`` clean, with one drifted rank and with a whole
-drifted replica, and checkpoint parity save and load (``CheckpointParity``).
+drifted replica, the resume proof's ``state_fingerprint()``, and checkpoint parity save and load
+(``CheckpointParity``).
 
 For the audits with drift, two simulated ranks run in lock step in two threads: this one
 (the reporter of its copy groups) and a drifted DP peer; a group's MIN / MAX is the
@@ -367,6 +368,7 @@ def run_layout(layout: Layout, world: int, params: int) -> list[Row]:
         p.grad = torch.full_like(p, 1e-3)
     add("armed step", lambda: _armed_step(optimizer))
     add("audit() clean", lambda: _report(optimizer.audit()))
+    add("state_fingerprint() (resume proof)", lambda: _fingerprint(optimizer))
     rows.append(_drifted(layout, world, params, "audit() one drifted rank", whole=False))
     rows.append(_drifted(layout, world, params, "audit() drifted replica", whole=True))
     parity = CheckpointParity("warn")
@@ -400,6 +402,11 @@ def _armed_step(optimizer: NormAwareOptimizer) -> dict[str, int]:
     optimizer.step()
     float(optimizer.step_norms().grads.total)
     return {"reads": 1}
+
+
+def _fingerprint(optimizer: NormAwareOptimizer) -> dict[str, int]:
+    optimizer.state_fingerprint()  # read on the host: one sync, inside its reduce
+    return {}
 
 
 def _report(report: Any) -> dict[str, int]:

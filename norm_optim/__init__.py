@@ -18,6 +18,7 @@ from ._errors import (
 from ._norm import NamedNorms, ParamNorms, PendingNorms
 from ._ownership import RankCoords
 from ._registry import CountedRecord, ParamRecord, ParamRegistry
+from ._resume import ResumeReport, StateFingerprint, verify_resume
 from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
 from ._watch import Alarm, Watch, WatchConfig
@@ -42,7 +43,9 @@ __all__ = [
     "ParamRegistry",
     "PendingNorms",
     "RankCoords",
+    "ResumeReport",
     "Source",
+    "StateFingerprint",
     "StepNorms",
     "TorchCommunicator",
     "UnknownParamError",
@@ -50,6 +53,7 @@ __all__ = [
     "UntestedMegatronWarning",
     "Watch",
     "WatchConfig",
+    "verify_resume",
 ]
 
 __version__ = "0.4.0"

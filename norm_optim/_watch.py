@@ -122,6 +122,9 @@ class Watch:
         self._extra: collections.deque[tuple[torch.Tensor, str, int]] = collections.deque(
             maxlen=2 * config.window
         )
+        # Saved statistics (load_state_dict) not yet taken: grads signals are built at the
+        # first watched step, when their names are known.
+        self._restored: dict[str, Any] = {}
         self.steps = 0
         """Watched steps so far (the iteration of an alarm when the caller names none)."""
         self.alarms_total = 0
@@ -138,6 +141,7 @@ class Watch:
         if self._grads is None or self._key is not slots:
             self._grads = GradsSignals(slots, self.config, device)
             self._key = slots
+            self._take_restored(GRADS, self._grads.stats, self._grads_names())
         judged = self._grads(squares)
         self._pending.append(judged)
         return judged
@@ -176,6 +180,7 @@ class Watch:
         value = torch.as_tensor(loss, dtype=torch.float64).reshape(1)
         if self._loss is None:
             self._loss = RollingStats(1, self.config, value.device)
+            self._take_restored(LOSS, self._loss, (LOSS,))
         excess, mean, std = self._loss.judge(value)
         self._extra.append(
             (self._summary(excess, value, mean, std, ~torch.isfinite(value[0])), LOSS, self.steps)
@@ -187,12 +192,60 @@ class Watch:
         if self._ratios is None or names != self._ratio_names:
             self._ratios = RollingStats(len(names), self.config, ratios.device)
             self._ratio_names = names
+            self._take_restored(RATIO, self._ratios, names)
         if not names:
             return
         x = ratios.to(torch.float64)
         excess, mean, std = self._ratios.judge(x)
         summary = self._summary(excess, x, mean, std, torch.zeros((), dtype=torch.bool))
         self._extra.append((summary, RATIO, self.steps))
+
+    # ------------------------------------------------------------ across a restart
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rolling statistics (by signal name: global, the same on any layout) and the
+        counts, for a checkpoint. The loss's are on the ranks that observe the loss only."""
+        state: dict[str, Any] = {
+            "steps": self.steps,
+            "alarms_total": self.alarms_total,
+            "window": self.config.window,
+        }
+        built = (
+            (GRADS, None if self._grads is None else self._grads.stats, self._grads_names()),
+            (LOSS, self._loss, (LOSS,)),
+            (RATIO, self._ratios, self._ratio_names),
+        )
+        for key, stats, names in built:
+            if stats is not None:
+                state[key] = stats.state(names)
+            elif key in self._restored:  # restored, not used yet: keep it for the next save
+                state[key] = self._restored[key]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take saved statistics: each signal's window is restored when the watch first sees
+        that signal (the grads' at the next watched step), so the steps after a resume are
+        judged as they would have been without the restart."""
+        self.steps = int(state.get("steps", 0))
+        self.alarms_total = int(state.get("alarms_total", 0))
+        self._restored = {k: state[k] for k in (GRADS, LOSS, RATIO) if k in state}
+        self._grads, self._loss, self._ratios = None, None, None
+        self._key, self._ratio_names = None, ()
+
+    def _take_restored(self, key: str, stats: RollingStats, names: Sequence[str]) -> None:
+        saved = self._restored.pop(key, None)
+        if saved is not None and not stats.restore(saved, names):
+            LOGGER.info(
+                "norm_optim watch: the saved %s statistics are for other signals (another "
+                "model?): they start afresh",
+                key,
+            )
+
+    def _grads_names(self) -> tuple[str, ...]:
+        if self._grads is None:
+            return ()
+        signals = self._grads.signals
+        return tuple(signals.name(i) for i in range(1 + len(signals.layers) + len(signals.params)))
 
     # ------------------------------------------------------------ reading
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -80,6 +80,32 @@ class RollingStats:
         self._seen += 1
         self.non_finite = non_finite
         return self.excess, self.mean, self.std
+
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        """What a checkpoint keeps of it: the signals' names, the count seen and the window's
+        values, oldest first (one host transfer)."""
+        filled = min(self._seen, self.config.window)
+        order = [(self._seen - filled + i) % self.config.window for i in range(filled)]
+        values = self._values[order].cpu() if order else self._values[:0].cpu()
+        return {"names": list(names), "seen": self._seen, "values": values}
+
+    def restore(self, state: dict[str, Any], names: Sequence[str]) -> bool:
+        """Take a saved :meth:`state` whose signals are ``names`` (in any order; a layout change
+        keeps the global names); False, and nothing taken, when the signals differ. Written in
+        place: the views made at construction stay valid."""
+        index = {name: i for i, name in enumerate(state["names"])}
+        if set(index) != set(names):
+            return False
+        values = state["values"][:, [index[name] for name in names]]
+        values = values[-self.config.window :]
+        filled = values.shape[0]
+        seen = int(state["seen"])
+        rows = [(seen - filled + i) % self.config.window for i in range(filled)]
+        self._values.zero_()
+        if filled:
+            self._values[rows] = values.to(self._values.device, self._values.dtype)
+        self._seen = seen
+        return True
 
 
 # The columns of one step's summary (float64, on the device): read in one transfer at poll().

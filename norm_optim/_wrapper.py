@@ -19,6 +19,7 @@ from ._norm import NormReducer, ParamNorms, PendingNorms
 from ._megatron import audit_layout, check_reduce_group, rank_coords
 from ._ownership import RankCoords
 from ._registry import ParamRegistry
+from ._resume import StateFingerprint, fingerprint_state
 from ._staleness import Staleness
 from ._step import PendingStepNorms, StepMeasurement, StepNorms, WatchedGrads, observed_step
 from ._watch import Watch, WatchConfig
@@ -165,6 +166,19 @@ class NormAwareOptimizer:
             registry.descriptor,
         )
         return run_audit(registry.records, layout, state.comm, state.group)
+
+    @torch.no_grad()
+    def state_fingerprint(self) -> StateFingerprint:
+        """Bitwise, layout-independent fingerprints of the optimizer's whole state: per model
+        param, its weight, its fp32 main and every optimizer state tensor, plus the step and
+        the loss scale (see ``docs/resume.md``).
+
+        A collective: every rank must call it (one all-reduce of a table of O(params) slots),
+        and every rank gets the same result. Compare a saved one with a loaded one with
+        :func:`~norm_optim.verify_resume`; save it with :meth:`StateFingerprint.save`.
+        """
+        state = self._state
+        return fingerprint_state(self._current_reducer(), state.coords, state.comm, state.group)
 
     # ---------------------------------------------------------------- step norms
 

@@ -102,7 +102,7 @@ def _saving_install(action: str) -> Any:
     from norm_optim.testing._internal.loop_patches import torch_dist_save_patches
 
     PatchSet.apply(torch_dist_save_patches())  # the rank is a fresh process: nothing to undo
-    return megatron_bridge.install(checkpoint_parity=True, audit_action=action)
+    return megatron_bridge.install(resume_proof=True, audit_action=action)
 
 
 def test_checkpoint_parity_at_load(tmp_path: Path) -> None:
@@ -117,6 +117,10 @@ def test_checkpoint_parity_at_load(tmp_path: Path) -> None:
     line = results[0].logged_matching("norm_optim: params norm at load (iteration 2)")
     assert line and "every layer equals the saved weights'" in line[0], results[0].logged
     assert line[0].startswith("INFO norm_optim.integrations: ")
+    # The resume proof (the same default): every (param, state) as saved.
+    proof = results[0].logged_matching("norm_optim resume (iteration 2): 0 mismatches")
+    assert proof and proof[0].startswith("INFO "), results[0].logged
+    assert (tmp_path / "iter_0000002" / "norm_optim_resume.json").exists()
     # The resumed run saved iteration 4 with its norms; edit them as if saved from another
     # model, and resume from there.
     later_file = tmp_path / "iter_0000004" / "norm_optim_norms.json"

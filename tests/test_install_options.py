@@ -88,13 +88,14 @@ def test_keywords_and_options_are_the_same_install(
         step_norms=True,
         audit_interval=3,
         audit_action="raise",
-        checkpoint_parity=False,
+        resume_proof=False,
         watch={"k": 5.0},
     )
     with module.install(**keywords, count_frozen=False) as handle:
         assert patched.training_log is not plain and patched.train_step is not step
         options = handle.options
         assert (handle.audit.interval, handle.audit.action, handle.parity) == (3, "raise", None)
+        assert handle.resume is None
         assert handle.optimizer is None
     assert patched.training_log is plain
     expected = InstallOptions(**keywords, wrapper_options={"count_frozen": False})
@@ -106,7 +107,7 @@ def test_keywords_and_options_are_the_same_install(
             module.install()
     with module.install(options=InstallOptions(breakdown=True), per_param=True) as both:
         assert both.options == InstallOptions(breakdown=True, per_param=True)
-        assert both.parity is not None  # checkpoint_parity: on by default
+        assert both.parity is not None and both.resume is not None  # on by default
         assert patched.train_step is step  # no step norms, no watch: not patched
 
 
@@ -240,3 +241,12 @@ def test_unpolled_losses_are_bounded_by_the_window() -> None:
     (alarm,) = watch.poll()
     assert alarm.signal == "loss" and alarm.value == 1e6
     assert len(watch._extra) == 0
+
+
+def test_checkpoint_parity_is_resume_proofs_old_name() -> None:
+    with pytest.warns(DeprecationWarning, match="resume_proof"):
+        options = InstallOptions(checkpoint_parity=False)
+    assert options.resume_proof is False
+    assert options == InstallOptions(resume_proof=False)  # one spelling, whichever was used
+    with pytest.warns(DeprecationWarning):
+        assert InstallOptions.of(None, {"checkpoint_parity": False}).resume_proof is False

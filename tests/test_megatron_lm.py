@@ -517,8 +517,18 @@ def test_save_and_resume(tmp_path: Any, resume: str) -> None:
     for _, value in resumed["logged"]:
         assert value == pytest.approx(oracle, rel=REL)
     assert resumed["printed"] == [_printed(oracle)] * 2
-    # Checkpoint parity (on by default): rank 0 logs the loaded norm, at INFO: it matches.
-    (line,) = ranks[0]["said"]
+    # The resume proof (on by default): rank 0 says the state is as saved, then the loaded
+    # norm, both at INFO. Without the optimizer, only the weights are compared.
+    proof, line = ranks[0]["said"]
+    assert proof.startswith(
+        "INFO norm_optim.integrations: norm_optim resume (iteration 2): 0 mismatches"
+    ), proof
+    if "--no-load-optim" in load_flags:
+        assert proof.endswith(
+            "the optimizer state was not loaded, as asked: only the weights compared"
+        )
+    else:
+        assert proof.endswith("every weight, main param and optimizer state is bitwise as saved")
     head = "INFO norm_optim.integrations: norm_optim: params norm at load (iteration 2): "
     assert line.startswith(head) and line.endswith("; every layer equals the saved weights'")
     assert float(line[len(head) :].split(";")[0]) == pytest.approx(oracle, rel=REL, abs=1e-6)

@@ -39,6 +39,8 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 - :mod:`.readers` — this rank's coordinates and the reduction group's check, MIMO included.
 - :mod:`.parallel_state` — this rank's coordinates on every replicating axis (TP, expert-TP,
   DP×CP, expert-DP, GTP) from the parallel state or a ``ProcessGroupCollection``.
+- :mod:`.placement` — where each element a rank holds sits in its param's global tensor (from
+  the declarations, DTensor placements, megatron's markers): the resume fingerprint's index.
 - :mod:`.declarations` — how the model's checkpoint declarations (``sharded_state_dict``) split
   each param: the source of the TP split.
 - :mod:`.params` — per-param traits from the declarations, megatron's markers and the model's

@@ -39,6 +39,9 @@ class Declaration:
         fragments: how many parts the whole tensor is cut into along each of those axes.
         offset: where this rank's part starts along each of those axes.
         replica_id: megatron's replica id (see the module docstring).
+        parts_saved: for a param a factory saves as several tensors (the SwiGLU
+            ``linear_fc1`` halves), each part's declaration, in the order they cut the param
+            along dim 0; empty for a param saved as one tensor.
     """
 
     key: str
@@ -46,6 +49,7 @@ class Declaration:
     fragments: tuple[int, ...]
     offset: tuple[int, ...]
     replica_id: tuple[int, ...]
+    parts_saved: tuple["Declaration", ...] = ()
 
     @property
     def parts(self) -> int:
@@ -223,4 +227,4 @@ def _merged(key: str, parts: list[Declaration]) -> Declaration:
     """One declaration for a param a factory saves as several tensors (each a slice of it):
     split where any part is split."""
     first = max(parts, key=lambda d: d.parts)
-    return dataclasses.replace(first, key=key)
+    return dataclasses.replace(first, key=key, parts_saved=tuple(parts))

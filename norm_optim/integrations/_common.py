@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import warnings
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -25,6 +26,7 @@ from .._step import StepNorms
 from .._patching import Patch, PatchSet
 from .._watch import LOSS, Alarm, WatchConfig, say
 from .._wrapper import NormAwareOptimizer
+from ._resume import ResumeProof
 
 LOGGER = logging.getLogger("norm_optim.integrations")
 """Where the loop integrations say what they find, on one rank (global rank 0): an audit's
@@ -119,13 +121,18 @@ class InstallOptions:
         audit_action: ``"warn"``: rank 0 logs the findings with their param names (logger
             ``norm_optim.integrations``, ERROR); ``"raise"``: every rank raises
             :class:`~norm_optim.AuditError`, stopping the run before the bad weights are saved.
-        checkpoint_parity: write the saved weights' total and per-layer norms beside every
-            checkpoint the loop saves (``norm_optim_norms.json``, one per-param norm read per
-            save) and, after a load, log the loaded weights' norm once before the first step
-            (``params-norm/at-load`` and a line from rank 0, logger ``norm_optim.integrations``:
-            INFO when every layer matches, ERROR naming the layers whose norm differs from what
-            was saved, or raised, as ``audit_action`` says). On by default; a checkpoint saved
-            without it just gets the at-load line.
+        resume_proof: prove every checkpoint load (docs/resume.md). Beside every checkpoint
+            the loop saves, write the state's fingerprints (``norm_optim_resume.json``: every
+            (param, state) -- weight, fp32 main, each optimizer moment -- bitwise and
+            layout-independent, one all-reduce per save), the saved weights' per-layer norms
+            (``norm_optim_norms.json``) and, when watched, the watch's statistics; after a
+            load, before the first step, compare: global rank 0 logs ``norm_optim resume
+            (iteration I): N mismatches...`` (INFO when 0, ERROR naming the pairs otherwise),
+            ``resume/mismatches`` and ``params-norm/at-load`` are written, the watch resumes
+            with its statistics, and with ``audit_action="raise"`` every rank raises
+            :class:`~norm_optim.AuditError`. On by default.
+        checkpoint_parity: the 0.4 name of ``resume_proof`` (a ``DeprecationWarning``; removed
+            in 0.6.0).
         watch: watch every step (:meth:`~norm_optim.NormAwareOptimizer.watch`; docs/watch.md):
             True, a dict of :class:`~norm_optim.WatchConfig` fields (``{"skip": True}``) or a
             config. Each iteration's grads (before clipping) in total, per layer and per param
@@ -145,11 +152,21 @@ class InstallOptions:
     step_norms: bool = False
     audit_interval: int = 0
     audit_action: str = "warn"
-    checkpoint_parity: bool = True
+    checkpoint_parity: Optional[bool] = None
+    resume_proof: bool = True
     watch: "bool | dict[str, Any] | WatchConfig | None" = False
     wrapper_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.checkpoint_parity is not None:
+            warnings.warn(
+                "install(checkpoint_parity=...) is now install(resume_proof=...); the old name "
+                "is removed in 0.6.0",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            object.__setattr__(self, "resume_proof", bool(self.checkpoint_parity))
+            object.__setattr__(self, "checkpoint_parity", None)
         # Bad values fail here, before install() patches anything.
         check_audit_options(self.audit_interval, self.audit_action)
         WatchConfig.of(self.watch)
@@ -653,7 +670,9 @@ class LoopIntegration:
         model: the model chunks it was built with.
         options: the :class:`InstallOptions` it was installed with.
         audit: its :class:`AuditSchedule` (``audit.reports``: the latest audits' findings).
-        parity: its :class:`CheckpointParity` (None without ``checkpoint_parity``).
+        parity: its :class:`CheckpointParity` (None without ``resume_proof``): the norms.
+        resume: its :class:`~norm_optim.integrations._resume.ResumeProof` (None without
+            ``resume_proof``): ``resume.report`` is the last load's report.
     """
 
     #: The dotted name of the loop's ``calc_params_l2_norm`` (for the deferred value's errors).
@@ -671,7 +690,8 @@ class LoopIntegration:
         self.model: Optional[list[Any]] = None
         self.options = options
         self.audit = AuditSchedule(options.audit_interval, options.audit_action)
-        self.parity = CheckpointParity(options.audit_action) if options.checkpoint_parity else None
+        self.parity = CheckpointParity(options.audit_action) if options.resume_proof else None
+        self.resume = ResumeProof(options.audit_action) if options.resume_proof else None
         self._log = ParamsNormLog(
             options.breakdown,
             options.per_param,
@@ -826,15 +846,27 @@ class LoopIntegration:
         if self.parity is not None and self.optimizer is not None and root and persistent:
             directory = self._checkpoint_directory(root, iteration)
             self.parity.saved(self.optimizer, directory, iteration)
+            if self.resume is not None:
+                self.resume.saved(self.optimizer, directory, iteration)
 
     def _after_load(
-        self, root: Optional[str], iteration: int, writers: Callable[[], tuple[Any, Any]]
+        self,
+        root: Optional[str],
+        iteration: int,
+        writers: Callable[[], tuple[Any, Any]],
+        optimizer_loaded: bool = True,
     ) -> None:
         """Before the first step of a run that loaded iteration ``iteration`` from ``root``, on
-        every rank (a collective): the loaded weights' norm, compared with the saved one, and
+        every rank (collectives): the state proven against the saved fingerprints (only the
+        weights where the load skipped the optimizer on purpose: ``optimizer_loaded``), the
+        watch's statistics restored, the loaded weights' norm compared with the saved one, and
         written to ``writers()`` (TensorBoard, W&B; asked for only then)."""
         if self.parity is not None and self.optimizer is not None and root and iteration:
             directory = self._checkpoint_directory(root, iteration)
+            if self.resume is not None:
+                self.resume.loaded(
+                    self.optimizer, directory, iteration, *writers(), optimizer_loaded
+                )
             self.parity.loaded(self.optimizer, directory, iteration, *writers())
 
     # ------------------------------------------------------------ what each loop says

@@ -262,7 +262,7 @@ class MegatronBridgeIntegration(LoopIntegration):
         ]
         if options.arms_steps:
             targets.append((train, "train_step"))
-        if options.checkpoint_parity:
+        if options.resume_proof:
             # pretrain() imported train() by name; save_checkpoint_and_time is train's own.
             from megatron.bridge.training import pretrain
 
@@ -309,8 +309,12 @@ class MegatronBridgeIntegration(LoopIntegration):
         original = self._originals["train"]
         arguments = inspect.signature(original).bind(*args, **kwargs).arguments
         state = arguments["global_state"]
+        checkpoint = state.cfg.checkpoint
+        loaded = getattr(checkpoint, "load_optim", True) and not getattr(
+            checkpoint, "finetune", False
+        )
         self._after_load(
-            state.cfg.checkpoint.load, state.train_state.step, lambda: self._writers(arguments)
+            checkpoint.load, state.train_state.step, lambda: self._writers(arguments), loaded
         )
         return original(*args, **kwargs)
 

@@ -27,6 +27,8 @@ Usage, in a ``pretrain_gpt.py``-style script::
 
 from __future__ import annotations
 
+import os
+
 from types import ModuleType
 from typing import Any, Mapping, Optional
 
@@ -103,6 +105,22 @@ def log_reads_params_norm(args: Any, iteration: int, is_first_iteration: bool) -
     )
 
 
+def _loaded_iteration(run: Any) -> int:
+    """The iteration of the checkpoint the setup loaded (0: none). ``--finetune`` loads one and
+    restarts the count at 0: its iteration is the tracker's (every rank reads it, as
+    megatron's load does: ``read_metadata`` reduces it over the world)."""
+    if not (getattr(run, "finetune", False) and run.load):
+        return int(run.iteration or 0)
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename, read_metadata
+
+    tracker = get_checkpoint_tracker_filename(run.load)
+    if not os.path.isfile(tracker):
+        return 0
+    iteration, release = read_metadata(tracker)
+    step = getattr(run, "ckpt_step", None)
+    return 0 if release else int(step if step is not None else iteration)
+
+
 class MegatronLMIntegration(LoopIntegration):
     """What :func:`install` returns: the live wrapper (``.optimizer``, ``.model``), and
     :meth:`uninstall` (also as a context manager) to restore Megatron-LM's functions."""
@@ -112,7 +130,7 @@ class MegatronLMIntegration(LoopIntegration):
 
     def __init__(self, training: ModuleType, options: InstallOptions) -> None:
         names = _PATCHED + (("train_step",) if options.arms_steps else ())
-        names += ("save_checkpoint",) if options.checkpoint_parity else ()
+        names += ("save_checkpoint",) if options.resume_proof else ()
         super().__init__([(training, name) for name in names], training.training_log, options)
 
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -128,7 +146,8 @@ class MegatronLMIntegration(LoopIntegration):
             optimizer = NormAwareOptimizer(optimizer, model=model, **self._wrapper_options)
         self.optimizer, self.model = optimizer, model
         run = _global_vars().get_args()
-        self._after_load(run.load, run.iteration, lambda: self._writers({}))
+        skipped = bool(getattr(run, "no_load_optim", False) or getattr(run, "finetune", False))
+        self._after_load(run.load, _loaded_iteration(run), lambda: self._writers({}), not skipped)
         return model, optimizer, scheduler
 
     def _save_checkpoint(

@@ -20,6 +20,9 @@ Every public module (each name below them is public; the package re-exports the 
   deterministic values and their exact norm (a leaf: the fill modules build on it).
 - :mod:`~norm_optim.testing.oracle` — :func:`fill_deterministic_` on every data-parallel mode,
   and the exact norms of :mod:`~norm_optim.testing.values` again.
+- :mod:`~norm_optim.testing.resume` — :func:`fill_optimizer_state_deterministic_`: Adam moments
+  (any state key) at layout-independent values on every layout, for testing a resume or a
+  reshard against the oracle of :func:`~norm_optim.testing.values.global_values`.
 - :mod:`~norm_optim.testing.megatron_fsdp` — Megatron-FSDP (v1 and v2) models on CPU ranks,
   deterministic weights written into their buffers.
 - :mod:`~norm_optim.testing.torch_fsdp2` — torch FSDP2 models (Megatron's and torch-native

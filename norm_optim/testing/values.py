@@ -34,6 +34,7 @@ from norm_optim.testing.models import unwrap_gpt
 
 __all__ = [
     "deterministic_values",
+    "global_values",
     "global_param_shapes",
     "global_shape",
     "named_global_parameters",
@@ -247,6 +248,13 @@ def deterministic_values(
     values = _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
     # GTP pad rows are not part of the model: a value there that a norm counted would show.
     return values.masked_fill(padding, _PADDING_VALUE)
+
+
+def global_values(name: str, seed: int, numel: int) -> torch.Tensor:
+    """The values of the flattened global tensor of ``name`` (float64, ``numel`` elements): what
+    :func:`deterministic_values` gives each rank's part of it, on one process."""
+    index = torch.arange(numel, dtype=torch.int64)
+    return _integer_values(name, seed, index).to(torch.float64) * 2.0**_SCALE_LOG2
 
 
 def global_shape(name: str, param: torch.Tensor, *, tp_group: Any = None) -> tuple[int, ...]:

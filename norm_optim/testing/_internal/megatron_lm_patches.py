@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 
 from norm_optim.testing._internal.loop_patches import (
@@ -86,3 +87,47 @@ def megatron_lm_on_cpu(*, torch_fsdp2: bool = False) -> Iterator[None]:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
         else:
             os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = previous
+
+
+def distributed_optimizer_load_patches() -> list[Patch]:
+    """What loading a distributed-optimizer ``torch_dist`` checkpoint needs without apex / TE
+    (test-only: on a GPU the inner optimizer is FusedAdam, which keeps its step in the param
+    groups, and neither applies).
+
+    Without apex / TE the inner optimizer is torch's Adam, which keeps ``step`` per param in
+    its state, where megatron-core 0.19's ``DistributedOptimizer`` expects it in the groups:
+
+    1. ``state_dict()`` asserts one per-param step; at load it builds the template while the
+       inner state is empty (or holds ``init_state_fn``'s tensors without a step). Patched:
+       ``init_state_fn`` first where the state is empty, and a ``step`` of 0 lent to each state
+       that lacks one for the call only.
+    2. With ``--dist-ckpt-optim-fully-reshardable``, ``_set_main_param_and_optimizer_states``
+       copies every key of the live state from the loaded tensors and raises ``KeyError:
+       'step'``. Patched: ``step`` passed as None, which it skips (the step comes back through
+       the param groups).
+    """
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    state_dict = DistributedOptimizer.state_dict
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def lending_state_dict(self: Any) -> Any:
+        if not self.optimizer.state and self.init_state_fn is not None:
+            self.init_state_fn(self.optimizer, self.config)
+        lent = [s for s in self.optimizer.state.values() if "step" not in s]
+        for state in lent:
+            state["step"] = torch.tensor(0.0)
+        try:
+            return state_dict(self)
+        finally:
+            for state in lent:
+                del state["step"]
+
+    def without_step(self: Any, model_param: Any, tensors: dict) -> Any:
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    return [
+        Patch(DistributedOptimizer, "state_dict", lending_state_dict),
+        Patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", without_step),
+    ]
