@@ -1,16 +1,12 @@
-"""Public modules and names that moved: importable for one more minor release, with a warning.
+"""Public names that moved: importable for one more minor release, with a warning.
 
-Each old module is a short file at its old path that calls :func:`moved_module`; each old
-name of a module that stays is served by that module's ``__getattr__`` from
+Each old name of a module that stays is served by that module's ``__getattr__`` from
 :func:`moved_names`. What moved where, and when the old names go, is in ``CHANGELOG.md``.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 import warnings
-from types import ModuleType
 from typing import Any, Callable, Mapping
 
 # The release in which the names that moved in 0.3.0 stop working.
@@ -24,24 +20,6 @@ def _warn(old: str, since: str, replacement: str) -> None:
         DeprecationWarning,
         stacklevel=4,
     )
-
-
-def moved_module(old: str, new: str, *, since: str, replacement: str = "") -> ModuleType:
-    """Warn that module ``old`` moved, and make importing it give module ``new``.
-
-    Called at the top of the old module's file: ``import old`` / ``from old import X`` then work
-    as before (the import system returns ``sys.modules[old]``, which becomes ``new``).
-
-    Args:
-        old: the old module's dotted name (its ``__name__``).
-        new: the module that holds its names now.
-        since: the release that moved it.
-        replacement: what users should import instead (default: ``new``).
-    """
-    _warn(old, since, replacement or new)
-    module = importlib.import_module(new)
-    sys.modules[old] = module
-    return module
 
 
 def moved_names(

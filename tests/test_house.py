@@ -13,7 +13,6 @@ import importlib
 import pathlib
 import re
 import subprocess
-import sys
 import warnings
 
 import pytest
@@ -172,44 +171,6 @@ def test_the_version_is_written_once() -> None:
     assert f"## [{norm_optim.__version__}]" in changelog or "## [Unreleased]" in changelog
 
 
-# 0.2.0's public modules, and where their names live now.
-MOVED_MODULES = {
-    "norm_optim.comm": "norm_optim._comm",
-    "norm_optim.errors": "norm_optim._errors",
-    "norm_optim.naming": "norm_optim._megatron.naming",
-    "norm_optim.norm": "norm_optim._norm",
-    "norm_optim.ownership": "norm_optim._ownership",
-    "norm_optim.registry": "norm_optim._registry",
-    "norm_optim.staleness": "norm_optim._staleness",
-    "norm_optim.versions": "norm_optim._versions",
-    "norm_optim.vocabulary": "norm_optim._vocabulary",
-    "norm_optim.wrapper": "norm_optim._wrapper",
-    "norm_optim.integrations.common": "norm_optim.integrations._common",
-    "norm_optim.testing.shim": "norm_optim.testing.cpu",
-    "norm_optim.testing.patching": "norm_optim._patching",
-    "norm_optim.testing.loop_patches": "norm_optim.testing._internal.loop_patches",
-}
-
-
-@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_a_moved_module_still_imports_with_a_deprecation_warning(old: str) -> None:
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(old) + r" is deprecated .* 0\.5\.0"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED_MODULES[old])
-    assert old in (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
-
-
-def test_the_shim_of_0_2_0_gives_the_same_functions() -> None:
-    import norm_optim.testing
-
-    sys.modules.pop("norm_optim.testing.shim", None)
-    with pytest.warns(DeprecationWarning, match="norm_optim.testing.cpu"):
-        from norm_optim.testing.shim import cpu_shim, install_cpu_shim
-    assert install_cpu_shim is norm_optim.testing.install_cpu_shim
-    assert cpu_shim is norm_optim.testing.cpu_shim
-
-
 @pytest.mark.parametrize("loop", ["megatron_lm", "megatron_bridge"])
 def test_a_renamed_integration_name_warns_and_works(loop: str) -> None:
     module = importlib.import_module(f"norm_optim.integrations.{loop}")
@@ -252,42 +213,21 @@ def test_the_testing_docstring_lists_every_public_module() -> None:
     import norm_optim.testing
 
     doc = norm_optim.testing.__doc__ or ""
-    modules = {
-        p.stem
-        for p in (PACKAGE / "testing").glob("*.py")
-        if not p.stem.startswith("_") and "moved_module(" not in p.read_text(encoding="utf-8")
-    }
+    modules = {p.stem for p in (PACKAGE / "testing").glob("*.py") if not p.stem.startswith("_")}
     assert modules, "no module found"
     missing = [m for m in sorted(modules) if f":mod:`~norm_optim.testing.{m}`" not in doc]
     assert missing == []
 
 
-def _is_alias(path: pathlib.Path) -> bool:
-    """A deprecated alias module: its only statement besides the docstring and the import is
-    a call of ``_moved.moved_module``."""
-    calls = [
-        node.func.id
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-    ]
-    return calls == ["moved_module"]
-
-
 def test_every_module_is_on_the_map() -> None:
-    """docs/architecture.md's module map names every module of the package (aliases aside),
-    and names none that is gone."""
+    """docs/architecture.md's module map names every module of the package, and names none
+    that is gone."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     map_section = text[text.index("## Every module") :]
-    modules = {
-        path.relative_to(PACKAGE).as_posix()
-        for path in PACKAGE.rglob("*.py")
-        if not _is_alias(path)
-    }
+    modules = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")}
     listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", map_section, flags=re.M))
     assert modules - listed == set(), "modules missing from docs/architecture.md's map"
     assert listed - modules == set(), "docs/architecture.md's map lists modules that are gone"
-    aliases = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if _is_alias(p)}
-    assert {a for a in aliases if f"`{a}`" not in map_section} == set(), "aliases not named"
 
 
 def test_every_adapter_module_is_in_its_list() -> None:

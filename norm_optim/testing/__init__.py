@@ -36,8 +36,7 @@ Every public module (each name below them is public; the package re-exports the 
   ranks (imported on demand: needs Megatron-Bridge).
 
 The CPU patches these runners apply (and the CI workarounds behind them) are internal:
-``norm_optim.testing._internal``, not part of the API. ``norm_optim.testing.shim`` (0.2.0's
-path of the CPU shim) still imports, with a ``DeprecationWarning``, until 0.5.0.
+``norm_optim.testing._internal``, not part of the API.
 
 A multi-rank test::
 
