@@ -9,7 +9,7 @@ kind (``norm_optim.testing.inject_fault_``) on one rank, each method called on e
 ``cross_check=True`` so that every rank compares with every replica).
 
 ``python -m benchmarks.audit --kernel [--device cuda] [--numel N ...]``: the per-tensor work
-alone, in one process, without megatron-core (what a lent GPU can run first): the audit's
+alone, in one process, without megatron-core (what one GPU runs without a distributed setup): the audit's
 device fingerprint of a bf16 weight, and its staleness check against an fp32 main, beside what
 megatron's check does per weight (a host fp32 copy, then SHA-1), median of ``--calls``.
 """

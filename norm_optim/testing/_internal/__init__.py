@@ -1,4 +1,4 @@
-"""Internal to :mod:`norm_optim.testing`: megatron-core's CPU patches and the CI hacks.
+"""Internal to :mod:`norm_optim.testing`: the patches that run megatron-core on CPU ranks.
 
 The patches the public runners apply in each rank (the training loops' CPU patches,
 Megatron-FSDP's, torch FSDP2's, MIMO's, Megatron-Bridge's import guards). Not public API: names

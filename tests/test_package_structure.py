@@ -1,4 +1,4 @@
-"""The shape of the house, checked: no import cycle, layout knowledge behind the adapter, one
+"""The package's structure, checked: no import cycle, layout knowledge behind the adapter, one
 version, and every public name that moved still importable with a ``DeprecationWarning``.
 
 These read the source tree (``ast``), not a running megatron: they fail on the change that
