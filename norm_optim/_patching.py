@@ -1,8 +1,9 @@
 """Reversible attribute patches: the one patching mechanism of norm_optim.
 
 The loop integrations (:mod:`norm_optim.integrations`) replace functions of Megatron-LM's and
-Megatron-Bridge's loops with it, and every test-only shim of :mod:`norm_optim.testing` is made
-of it. A :class:`Patch` replaces one attribute and can put it back; a :class:`PatchSet` applies
+Megatron-Bridge's loops with it, the adapter sets an optimizer's methods for one step with it
+(:func:`attributes_set`), and every test-only shim of :mod:`norm_optim.testing` and the
+benchmarks' counters are made of it. A :class:`Patch` replaces one attribute and can put it back; a :class:`PatchSet` applies
 a list of them and restores them in reverse order (``uninstall()``, or ``with``).
 """
 
@@ -16,7 +17,13 @@ from typing import Any
 
 @dataclass
 class Patch:
-    """``setattr(target, name, value)``, undone by :meth:`revert` (deleting what was absent)."""
+    """``setattr(target, name, value)``, undone by :meth:`revert`.
+
+    What is put back is what the target itself held (its own ``vars()``): a name it only
+    inherited (from its class, or a base class) is deleted again at the revert, so that the
+    inherited attribute shows through instead of a copy of it shadowing it (on an instance, a
+    bound method of the original that would outlive the patch).
+    """
 
     target: Any
     name: str
@@ -25,8 +32,13 @@ class Patch:
     original: Any = None
 
     def apply(self) -> None:
-        self.had_original = hasattr(self.target, self.name)
-        self.original = getattr(self.target, self.name, None)
+        own = getattr(self.target, "__dict__", None)
+        if own is None:  # no namespace of its own (``__slots__``): what it shows is its own
+            self.had_original = hasattr(self.target, self.name)
+            self.original = getattr(self.target, self.name, None)
+        else:
+            self.had_original = self.name in own
+            self.original = own.get(self.name)
         setattr(self.target, self.name, self.value)
 
     def revert(self) -> None:
@@ -77,3 +89,9 @@ def patches_applied(patches: Sequence[Patch]) -> Iterator[None]:
     """Apply ``patches`` in order; revert them in reverse order on exit."""
     with PatchSet.apply(patches):
         yield
+
+
+def attributes_set(target: Any, **values: Any) -> contextlib.AbstractContextManager[None]:
+    """``target.<name> = value`` for each keyword during the ``with`` block, then reverted:
+    nothing of ours is left on ``target`` (an instance's shadowing attribute is deleted)."""
+    return patches_applied([Patch(target, name, value) for name, value in values.items()])

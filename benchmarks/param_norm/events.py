@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from norm_optim._patching import Patch, patches_applied
+
 COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -54,17 +56,9 @@ class Counter:
 def patched(owner: Any, names: Sequence[str], counter: Counter) -> Iterator[None]:
     """Route ``owner.<name>`` through ``counter`` for the duration of the block; an inherited
     attribute is shadowed, then deleted again, so the owner ends as it began."""
-    saved = {n: (n in vars(owner), getattr(owner, n)) for n in names if hasattr(owner, n)}
-    try:
-        for name, (_, original) in saved.items():
-            setattr(owner, name, counter.wrap(original))
+    patches = [Patch(owner, n, counter.wrap(getattr(owner, n))) for n in names if hasattr(owner, n)]
+    with patches_applied(patches):
         yield
-    finally:
-        for name, (own, original) in saved.items():
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
 
 
 @contextlib.contextmanager

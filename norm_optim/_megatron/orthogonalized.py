@@ -37,7 +37,7 @@ import torch
 
 from .holdings import local
 from .in_step import StoredDifferences, step_name
-from .step_state import instance_attributes
+from .._patching import attributes_set
 
 # The step functions read (``module.qualname``); a subclass that replaces ``step`` is another
 # rule, refused by name.
@@ -119,7 +119,7 @@ class InStepUpdates:
 
         with (
             differences.reading(out),
-            instance_attributes(
+            attributes_set(
                 optimizer,
                 _apply_weight_decay_inplace=apply_weight_decay,
                 post_weight_update_fn_inplace=post_weight_update,

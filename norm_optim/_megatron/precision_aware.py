@@ -43,7 +43,7 @@ import torch
 from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
 from .holdings import local, qualified_name
-from .step_state import instance_attributes
+from .._patching import attributes_set
 from .rules import (
     _FUSED_ADAM_FP32,
     TE_FUSED_ADAM,
@@ -79,7 +79,7 @@ class _BeforeStep:
                     out[slot] += self.rule._derived_squares(entry).to(out.device)
             return original(*args, **kwargs)
 
-        with instance_attributes(self.optimizer, step=step):
+        with attributes_set(self.optimizer, step=step):
             yield
 
     def after_step(self, out: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from .._errors import NormOptimError
 from .holdings import local, qualified_name
 from .in_step import StepReader, StoredDifferences, step_name
 from .orthogonalized import MOMENTUM, InStepUpdates, unread_step
-from .step_state import instance_attributes
+from .._patching import attributes_set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -614,7 +614,7 @@ class UpdateReader:
             self._read = True
             return None  # torch's step returns the closure's loss: there is none
 
-        with instance_attributes(self.optimizer, step=step):
+        with attributes_set(self.optimizer, step=step):
             yield
 
     def _chunked_step(self) -> None:

@@ -8,9 +8,9 @@ step with the reads in their places: :func:`run_step`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, Callable
+
+from .._patching import attributes_set
 
 
 def run_step(
@@ -62,25 +62,7 @@ def run_step(
         step_taken()
         return original_step(*a, **k)
 
-    with instance_attributes(
+    with attributes_set(
         optimizer, prepare_grads=prepare_grads, step_with_ready_grads=step_with_ready_grads
     ):
         return optimizer.step(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def instance_attributes(target: Any, **values: Callable[..., Any]) -> Iterator[None]:
-    """Set attributes on one instance for the ``with`` block, then remove them (or put back
-    what the instance itself had): nothing of ours is left on the optimizer."""
-    own = vars(target)
-    saved = {name: own[name] for name in values if name in own}
-    for name, value in values.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name in values:
-            if name in saved:
-                setattr(target, name, saved[name])
-            else:
-                delattr(target, name)

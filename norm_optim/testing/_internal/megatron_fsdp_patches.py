@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from norm_optim.testing._internal.loop_patches import cpu_rng_state_patches
-from norm_optim._patching import Patch, PatchSet
+from norm_optim._patching import Patch, PatchSet, patches_applied
 
 
 _HANDLE_ATTR = "_norm_optim_fsdp_patches"
@@ -26,12 +26,8 @@ def _cuda_index_during(init: Callable[..., None]) -> Callable[..., None]:
     # build_fsdp_model does), the comparison only logs a warning when the index is 0.
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        saved = torch.cuda.current_device
-        setattr(torch.cuda, "current_device", lambda: 0)
-        try:
+        with patches_applied([Patch(torch.cuda, "current_device", lambda: 0)]):
             init(self, *args, **kwargs)
-        finally:
-            setattr(torch.cuda, "current_device", saved)
 
     return wrapper
 
