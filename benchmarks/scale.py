@@ -53,7 +53,7 @@ import torch
 from norm_optim import NormAwareOptimizer
 from norm_optim._comm import Done
 from norm_optim._name_exchange import digests, encode, name_parts, pack, speakers
-from norm_optim.integrations._common import CheckpointParity
+from norm_optim.integrations._checkpoint_norms import CheckpointParity
 from norm_optim.testing.comm import RecordingCommunicator, Traffic
 
 # The bounds at 16,384 ranks (benchmarks/README.md): bytes one rank receives per operation, the

@@ -24,12 +24,9 @@ from norm_optim._findings import Finding, FindingKind
 from norm_optim._norm import ParamNorms
 from norm_optim._watch import Watch
 from norm_optim.integrations import megatron_bridge, megatron_lm
-from norm_optim.integrations._common import (
-    KEPT_REPORTS,
-    AuditSchedule,
-    CheckpointParity,
-    InstallOptions,
-)
+from norm_optim.integrations._audit_schedule import KEPT_REPORTS, AuditSchedule
+from norm_optim.integrations._checkpoint_norms import CheckpointParity
+from norm_optim.integrations._options import InstallOptions
 
 LOGGER = "norm_optim.integrations"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from norm_optim.integrations._common import LoggedParamsNorm
+from norm_optim.integrations._logged_values import LoggedParamsNorm
 from norm_optim._megatron.naming import expert_of, layer_of, natural_key
 
 

@@ -30,7 +30,7 @@ import torch
 
 from norm_optim import NormAwareOptimizer, TorchCommunicator, UnsupportedOptimizerError
 from norm_optim._versions import megatron_at_least
-from norm_optim.integrations._common import step_scalars
+from norm_optim.integrations._scalars import step_scalars
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters

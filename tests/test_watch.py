@@ -335,7 +335,7 @@ def test_loss_and_ratio_alarms_and_what_arms_a_step() -> None:
 
 
 def test_loop_loss_reads_megatron_loss_dicts() -> None:
-    from norm_optim.integrations._common import loop_loss
+    from norm_optim.integrations._scalars import loop_loss
 
     assert loop_loss({}) is None and loop_loss(None) is None  # not the last pipeline stage
     assert loop_loss({"lm loss": torch.tensor(2.5)}) == 2.5

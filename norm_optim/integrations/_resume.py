@@ -25,8 +25,8 @@ from .._errors import UnsupportedOptimizerError
 from .._findings import AuditError
 from .._resume import ResumeReport, StateFingerprint, verify_resume
 from .._wrapper import NormAwareOptimizer
+from ._log import LOGGER
 
-LOGGER = logging.getLogger("norm_optim.integrations")
 RESUME_FILE = "norm_optim_resume.json"
 """Written beside each checkpoint: the state's fingerprints (:class:`~norm_optim.StateFingerprint`)."""
 WATCH_FILE = "norm_optim_watch.pt"

@@ -52,8 +52,10 @@ from typing import Any, Mapping, Optional
 from .._errors import NormOptimError
 from .._versions import distribution_version
 from .._wrapper import NormAwareOptimizer
-from ._common import InstallOptions, LoggedParamsNorm, LoopIntegration, missing_hooks
-from ._common import moved_loop_names, refuse_second_install
+from ._guards import missing_hooks
+from ._logged_values import LoggedParamsNorm, moved_loop_names
+from ._loop import LoopIntegration, refuse_second_install
+from ._options import InstallOptions
 
 __all__ = [
     "MegatronBridgeIntegration",
