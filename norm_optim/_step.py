@@ -29,7 +29,7 @@ from ._errors import NormOptimError, UnsupportedOptimizerError
 from ._kernels import SumOfSquaresPlan
 from ._megatron.descriptor import clip_group_of, separate_clip_groups
 from ._megatron.in_step import StepReader
-from ._megatron.rules import Counted, Stepped
+from ._megatron.update_rule import Counted, Stepped
 from ._megatron.step_state import run_step
 from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
 from ._watch import Watch

@@ -8,8 +8,13 @@ returns, testable without Megatron. A new megatron-core release should mean a ch
 - :mod:`.descriptor` — one record per leaf optimizer (kind, holdings, where its grads are, its
   update rule or the reason there is none, its moments, its copy group), built once with the
   registry: holdings, step norms and the audit read it.
-- :mod:`.rules` — the update rules step norms derive, one class per optimizer class, and the
-  table of builders by class (a new optimizer: one rule, one entry).
+- :mod:`.rules` — the table of update-rule builders by optimizer class (a new optimizer: one
+  rule, one entry), and Muon's rule.
+- :mod:`.update_rule` — what a rule is (:class:`UpdateRule`, given ``Stepped`` tensors, or
+  ``Refused``) and the reader that runs a torch step chunk by chunk (``UpdateReader``).
+- :mod:`.torch_rules` — torch's ``Adam`` / ``AdamW`` and ``SGD`` rules.
+- :mod:`.fused_adam` — apex's and Transformer Engine's ``FusedAdam`` in fp32 use: the flags
+  read, the rule and its builder.
 - :mod:`.in_step` — updates read as the difference a step stored (``θ_after − θ_before``), a
   chunk at a time in one scratch: torch's Adam / SGD run chunk by chunk, Muon's per-param hooks.
 - :mod:`.orthogonalized` — Muon and the emerging optimizers: their update read during the step

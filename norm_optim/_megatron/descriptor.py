@@ -25,7 +25,8 @@ from .._versions import megatron_core_version_string
 from .._kernels import RemainderMaster
 from .holdings import Holding, is_precision_aware, local, qualified_name
 from .precision_aware import master_rule, master_stepped
-from .rules import Refused, Stepped, UpdateRule, rule_for
+from .rules import rule_for
+from .update_rule import Refused, Stepped, UpdateRule
 
 # megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (0.14-0.20.dev)
 HYBRID_DEVICE_OPTIMIZER = "HybridDeviceOptimizer"

@@ -13,7 +13,7 @@ subtraction (≤ 2⁻²⁴ of it).
 
 Who calls :meth:`StoredDifferences.begin` / :meth:`~StoredDifferences.end` is the rule's
 business: Muon's per-param hooks (:mod:`.orthogonalized`), or torch's Adam / SGD step run chunk
-by chunk (:class:`~norm_optim._megatron.rules.UpdateReader`). The pairing is checked as the step
+by chunk (:class:`~norm_optim._megatron.update_rule.UpdateReader`). The pairing is checked as the step
 runs: a step that breaks it is an error, never a number.
 """
 

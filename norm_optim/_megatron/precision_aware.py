@@ -44,15 +44,8 @@ from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
 from .holdings import local, qualified_name
 from .._patching import attributes_set
-from .rules import (
-    _FUSED_ADAM_FP32,
-    TE_FUSED_ADAM,
-    Counted,
-    Refused,
-    Stepped,
-    UpdateRule,
-    unread_flags,
-)
+from .fused_adam import _FUSED_ADAM_FP32, TE_FUSED_ADAM, unread_flags
+from .update_rule import Counted, Refused, Stepped, UpdateRule
 
 
 class _BeforeStep:
