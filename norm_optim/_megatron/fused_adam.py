@@ -17,28 +17,7 @@ from .update_rule import Refused, Stepped, UpdateRule, fp32
 
 # apex's and Transformer Engine's FusedAdam, by ``module.qualname`` (importing them needs CUDA),
 # and the constructor flags each may take; a flag outside these is one norm_optim has not read.
-#
-# Read at apex 25.09-52-g6424da3b (commit 6424da3b4faa) and TransformerEngine commit d0067d0da6cb
-# (2026-08-22): ``apex/optimizers/fused_adam.py`` / ``transformer_engine/pytorch/optimizers/
-# fused_adam.py`` ``step()`` and the fp32 functor of ``csrc/multi_tensor_adam.cu`` /
-# ``transformer_engine/common/multi_tensor/adam.cu`` (``AdamFunctor``, identical in both):
-#
-# - the step count is ``group["step"]``, one per param group, advanced once per ``step()`` before
-#   the kernel (apex: for a non-empty group; TE: for every group); there is no ``state["step"]``;
-# - ``bias_correction1/2 = 1 - pow(beta, step)`` when ``group["bias_correction"]``, else 1
-#   (host code of ``multi_tensor_adam_cuda``, in float);
-# - ``adam_w_mode`` is the instance's (1: decoupled decay, 0: L2), ``lr``, ``betas``, ``eps``,
-#   ``weight_decay`` the group's;
-# - L2 (mode 0): ``g += wd·p``; ``m = b1·m + (1−b1)·g``; ``v = b2·v + (1−b2)·g²``;
-#   ``p -= lr · (m/bc1) / (sqrt(v/bc2) + eps)``;
-# - AdamW (mode 1): the same moments of ``g``; ``p -= lr · ((m/bc1) / (sqrt(v/bc2) + eps) + wd·p)``
-#   (``p`` the value before the step), i.e. torch AdamW's ``p·(1 − lr·wd) − lr·m̂/denom``;
-# - a param whose grad is None is skipped (TE creates its zero state anyway);
-# - ``capturable`` (step / lr as device tensors, a found-inf no-op): refused; TE's
-#   ``master_weights`` (an fp32 copy beside the param), ``use_decoupled_grad``,
-#   ``store_param_remainders`` and bf16 ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` change what is
-#   stepped or stored: refused here; in megatron's precision-aware optimizer, the one use of
-#   them megatron builds, derived before the step by :mod:`.precision_aware`.
+# What their step does, and at which commits it was read: docs/step-norms.md, "The derivations".
 APEX_FUSED_ADAM = "apex.optimizers.fused_adam.FusedAdam"
 TE_FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
 _FUSED_ADAM_FLAGS = {
