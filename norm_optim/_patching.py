@@ -10,6 +10,7 @@ a list of them and restores them in reverse order (``uninstall()``, or ``with``)
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,10 @@ class Patch:
 
     def apply(self) -> None:
         own = getattr(self.target, "__dict__", None)
-        if own is None:  # no namespace of its own (``__slots__``): what it shows is its own
+        on_type = inspect.getattr_static(type(self.target), self.name, None)
+        if own is None or hasattr(type(on_type), "__set__"):
+            # No namespace of its own (``__slots__``), or a data descriptor of its type (a
+            # property): the value it shows is its own, put back through the descriptor.
             self.had_original = hasattr(self.target, self.name)
             self.original = getattr(self.target, self.name, None)
         else:

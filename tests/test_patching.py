@@ -60,3 +60,22 @@ def test_a_failed_apply_reverts_what_was_applied() -> None:
     with pytest.raises(AttributeError):
         PatchSet.apply([Patch(leaf, "step", lambda: "patched"), Patch(_NoSet(), "x", 1)])
     assert "step" not in vars(leaf)
+
+
+def test_a_property_of_the_instance_is_set_back_through_the_property() -> None:
+    class _Process:
+        def __init__(self) -> None:
+            self._daemon = False
+
+        @property
+        def daemon(self) -> bool:
+            return self._daemon
+
+        @daemon.setter
+        def daemon(self, value: bool) -> None:
+            self._daemon = value
+
+    process = _Process()
+    with attributes_set(process, daemon=True):
+        assert process.daemon
+    assert process.daemon is False
