@@ -30,6 +30,7 @@ from norm_optim.testing.resume import (
 from norm_optim.testing.values import global_values, named_global_parameters
 from tests.support.fingerprint_oracle import fingerprint
 from tests.support.layouts import NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
+from tests.test_megatron_fsdp import BUILDS_FSDP, BUILDS_MOE_FSDP
 
 UNTIED = dataclasses.replace(SMALL, tie_embeddings=False)  # FSDP2 ties no weights
 
@@ -149,7 +150,10 @@ def _oracle(
 
 
 def _marks(case: Case) -> list:
-    return case.layout.marks() + ([NEEDS_TORCH_FSDP2] if case.fsdp2 else [])
+    marks = case.layout.marks() + ([NEEDS_TORCH_FSDP2] if case.fsdp2 else [])
+    if case.megatron_fsdp:  # what each release's Megatron-FSDP can build on CPU
+        marks += [BUILDS_FSDP] + ([BUILDS_MOE_FSDP] if case.layout.cfg.num_experts else [])
+    return marks
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,7 +199,9 @@ def _found(*names: str) -> list[dict]:
             ("moe-distributed-ep2-dp2", "moe-distributed-dp2", "moe-float16-ep2-tp2"), id="moe-ep"
         ),
         pytest.param(
-            ("megatron-fsdp-tp2-dp2", "megatron-fsdp-dp2", "distributed-dp4"), id="megatron-fsdp"
+            ("megatron-fsdp-tp2-dp2", "megatron-fsdp-dp2", "distributed-dp4"),
+            id="megatron-fsdp",
+            marks=BUILDS_FSDP,
         ),
         pytest.param(
             ("torch-fsdp2-tp2-dp2", "torch-fsdp2-dp2", "untied-float16-dp1"),
