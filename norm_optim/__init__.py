@@ -18,7 +18,8 @@ from ._errors import (
 from ._norm import NamedNorms, ParamNorms, PendingNorms
 from ._ownership import RankCoords
 from ._registry import CountedRecord, ParamRecord, ParamRegistry
-from ._resume import ResumeReport, StateFingerprint, verify_resume
+from ._resume import StateFingerprint
+from ._resume_report import ResumeReport, verify_resume
 from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
 from ._watch import Alarm, Watch, WatchConfig

@@ -23,9 +23,10 @@ import torch
 from .._comm import TorchCommunicator
 from .._errors import UnsupportedOptimizerError
 from .._findings import AuditError
-from .._resume import ResumeReport, StateFingerprint, verify_resume
+from .._resume import StateFingerprint
+from .._resume_report import ResumeReport, verify_resume
 from .._wrapper import NormAwareOptimizer
-from ._log import LOGGER
+from ._log import LOGGER, global_rank
 
 RESUME_FILE = "norm_optim_resume.json"
 """Written beside each checkpoint: the state's fingerprints (:class:`~norm_optim.StateFingerprint`)."""
@@ -38,9 +39,8 @@ RESUME_TAG = "resume/mismatches"
 def _rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return global_rank(), world
 
 
 def _comm(optimizer: NormAwareOptimizer) -> Any:
