@@ -102,18 +102,23 @@ def test_benchmark_quick_smallest_case(tmp_path: pathlib.Path) -> None:
         assert row["declarations_s"] > 0 and row["registry_build_s"] > 0
 
 
-def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
-    """``python -m benchmarks.step_norms --quick`` runs and writes one row of the documented
-    fields (timings and memory are reported, not asserted)."""
-    out = tmp_path / "step.json"
+def _step_norms_rows(out: pathlib.Path, *args: str) -> list[dict]:
+    """The rows ``python -m benchmarks.step_norms *args`` writes to ``out``."""
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_norms", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.step_norms", *args, "--out", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
         timeout=600,
     )
-    (row,) = json.loads(out.read_text())
+    rows: list[dict] = json.loads(out.read_text())
+    return rows
+
+
+def test_step_norms_benchmark_writes_its_rows(tmp_path: pathlib.Path) -> None:
+    """``python -m benchmarks.step_norms --quick`` runs and writes one row of the documented
+    fields (timings and memory are reported, not asserted)."""
+    (row,) = _step_norms_rows(tmp_path / "step.json", "--quick")
     assert set(row) == {
         "case",
         "numel",
@@ -157,15 +162,7 @@ def test_step_norms_benchmark_by_tensor_count(tmp_path: pathlib.Path) -> None:
     """``python -m benchmarks.step_norms --tensors --quick`` writes the 100-tensor row: the ops a
     watched step, an armed per-param step and per-param weight norms add (counted, so
     asserted), and the times (reported only)."""
-    out = tmp_path / "tensors.json"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_norms", "--tensors", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    (row,) = json.loads(out.read_text())
+    (row,) = _step_norms_rows(tmp_path / "tensors.json", "--tensors", "--quick")
     assert set(row) == {
         "case",
         "tensors",
