@@ -7,6 +7,7 @@ pipeline schedule) on forked gloo ranks.
 from __future__ import annotations
 
 import math
+import pathlib
 import os
 import time
 from typing import Any
@@ -267,3 +268,50 @@ def test_shim_is_idempotent_and_reversible() -> None:
     assert torch.ones(1).type() == "torch.FloatTensor"
     assert install_cpu_shim() is not shim
     install_cpu_shim().uninstall()
+
+
+def _segfault_on_rank_1_first_time(marker: str) -> int:
+    """Rank 1 dies of SIGSEGV the first time the world runs (``marker`` not yet written)."""
+    import ctypes
+
+    rank = dist.get_rank()
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        ctypes.string_at(0)  # a read of address 0: SIGSEGV in native code
+    dist.barrier()
+    return rank
+
+
+def _segfault_on_rank_1(_: object = None) -> int:
+    import ctypes
+
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_crashed_rank_reruns_the_world_once_with_a_warning(tmp_path: "pathlib.Path") -> None:
+    marker = str(tmp_path / "crashed")
+    with pytest.warns(RuntimeWarning, match=r"rank 1 failed: .*signal SIGSEGV"):
+        assert run_ranks(_segfault_on_rank_1_first_time, 2, marker, timeout=30) == [0, 1]
+
+
+def test_crash_that_recurs_is_reported_with_its_stacks() -> None:
+    crash = pytest.raises(RankFailedError, match="rank 1 failed: .*signal SIGSEGV")
+    with pytest.warns(RuntimeWarning, match="running all 2 ranks again"), crash as err:
+        run_ranks(_segfault_on_rank_1, 2, timeout=30)
+    assert "_segfault_on_rank_1" in err.value.remote_traceback  # faulthandler's Python stack
+    with pytest.raises(RankFailedError, match="signal SIGSEGV"):  # no retry asked for
+        run_ranks(_segfault_on_rank_1, 2, timeout=30, crash_retries=0)
+
+
+def _compile_is_disabled(_: object = None) -> bool:
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.disable)
+
+
+def test_ranks_run_torch_compile_only_when_asked() -> None:
+    assert run_ranks(_compile_is_disabled, 1, timeout=30) == [True]
+    assert run_ranks(_compile_is_disabled, 1, timeout=30, compile=True) == [False]

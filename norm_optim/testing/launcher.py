@@ -6,8 +6,12 @@ in about a second on 2 cores, against ~20 s with ``spawn`` (each child re-import
 
 Failures never hang the caller: an exception on a rank is re-raised in the parent with the
 rank and the child's traceback; a rank that dies without reporting (``os._exit``, a signal)
-is reported with its exit code; a run that outlives ``timeout`` has every child's Python stack
-dumped and is then killed.
+is reported with its exit code (and, for a fatal signal, the Python stacks it printed); a run
+that outlives ``timeout`` has every child's Python stack dumped and is then killed.
+
+``torch.compile`` is off in the ranks unless asked for: a forked child traces again every
+compiled function megatron calls (the MoE router's, the fusions'), a second or more per rank
+on a CPU, for kernels no norm depends on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +43,9 @@ _STACK_DUMP_GRACE_S = 1.0
 # How long ranks that reported a result get to destroy their process groups.
 _TEARDOWN_GRACE_S = 5.0
 _GLOO_TIMEOUT_MARGIN_S = 60.0
+# How long a peer's error waits for a crashed rank's exit to show (the kernel closes a dying
+# process's sockets, which the peer's collective fails on, just before it reaps it).
+_CRASH_GRACE_S = 0.2
 
 
 class RankFailedError(RuntimeError):
@@ -54,6 +62,22 @@ class RankFailedError(RuntimeError):
         )
         self.rank = rank
         self.remote_traceback = remote_traceback
+
+
+class _RankKilledError(RankFailedError):
+    """A rank died of a signal before reporting (``signum``): native code crashed under it."""
+
+    def __init__(self, rank: int, signum: int, stacks: str) -> None:
+        try:
+            name: object = signal.Signals(signum).name
+        except ValueError:
+            name = signum
+        super().__init__(
+            rank,
+            f"process died with exit code {-signum} (signal {name})",
+            stacks or "(no traceback: the process was killed before it could print one)",
+        )
+        self.signum = signum
 
 
 class RankTimeoutError(TimeoutError):
@@ -73,6 +97,7 @@ class _ChildSpec:
     workdir: str
     cpu_shim: bool
     timeout: float
+    compile: bool = False
 
     @property
     def stack_file(self) -> Path:
@@ -135,8 +160,11 @@ def _child_main(
 ) -> None:
     # Before any torch op: a forked child using the parent's thread count was seen to hang.
     torch.set_num_threads(1)
+    if not spec.compile:
+        torch._dynamo.config.disable = True  # compiled functions run as written
     with open(spec.stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks, all_threads=True)  # a fatal signal's stacks
         try:
             os.environ.update(
                 RANK=str(spec.rank),
@@ -164,6 +192,23 @@ def _child_main(
         conn.send(message)
         conn.close()
         _teardown()
+
+
+def _raise_for_crash(
+    procs: list[multiprocessing.process.BaseProcess], specs: list[_ChildSpec], ranks: list[int]
+) -> None:
+    """Raise :class:`_RankKilledError` for the first of ``ranks`` a signal has killed.
+
+    Looked for before a peer's error is raised: a crashed rank's closed connections are what
+    its peers' collectives fail on, and they may report first.
+    """
+    deadline = time.monotonic() + _CRASH_GRACE_S
+    for rank in ranks:
+        procs[rank].join(max(0.0, deadline - time.monotonic()))
+        code = procs[rank].exitcode
+        if code is not None and code < 0:
+            stacks = specs[rank].stack_file
+            raise _RankKilledError(rank, -code, stacks.read_text() if stacks.exists() else "")
 
 
 def _raise_for_error(rank: int, message: tuple) -> None:
@@ -207,15 +252,23 @@ def run_ranks(
     start_method: str = "fork",
     timeout: float = 120.0,
     cpu_shim: bool = True,
+    compile: bool = False,
+    crash_retries: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return the results by rank.
 
-    Each rank is a fresh child process that sets one torch thread, installs the megatron CPU
-    shim (unless ``cpu_shim=False``), joins a gloo process group through a private FileStore
-    (so concurrent runs never collide on a port), runs ``fn``, then destroys megatron's parallel
-    state and the process group. ``fn`` reads its rank from ``torch.distributed.get_rank()``.
-    With ``start_method="spawn"``, ``fn``, its arguments and results must be picklable.
+    Each rank is a fresh child process that sets one torch thread, turns ``torch.compile`` off
+    (unless ``compile=True``), installs the megatron CPU shim (unless ``cpu_shim=False``), joins
+    a gloo process group through a private FileStore (so concurrent runs never collide on a
+    port), runs ``fn``, then destroys megatron's parallel state and the process group. ``fn``
+    reads its rank from ``torch.distributed.get_rank()``. With ``start_method="spawn"``,
+    ``fn``, its arguments and results must be picklable.
+
+    A world in which a rank was killed by a signal before it reported (a crash in native code:
+    gloo, a forked child's thread pools) runs again, from the start, up to ``crash_retries``
+    times, each with a ``RuntimeWarning`` that names the rank, the signal and its stacks; an
+    exception, an exit code or a timeout is never retried.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``; results must be picklable.
@@ -227,9 +280,41 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        return _run_world(fn, world_size, args, kwargs, start_method, timeout, cpu_shim, compile)
+    except _RankKilledError as crash:
+        if crash_retries <= 0:
+            raise
+        warnings.warn(f"{crash}\n(running all {world_size} ranks again)", RuntimeWarning)
+    return run_ranks(
+        fn,
+        world_size,
+        *args,
+        start_method=start_method,
+        timeout=timeout,
+        cpu_shim=cpu_shim,
+        compile=compile,
+        crash_retries=crash_retries - 1,
+        **kwargs,
+    )
+
+
+def _run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    start_method: str,
+    timeout: float,
+    cpu_shim: bool,
+    compile: bool,
+) -> list[Any]:
+    """One run of every rank (:func:`run_ranks` without its retries)."""
     ctx: Any = multiprocessing.get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="norm_optim_ranks_")
-    specs = [_ChildSpec(r, world_size, workdir, cpu_shim, timeout) for r in range(world_size)]
+    specs = [
+        _ChildSpec(r, world_size, workdir, cpu_shim, timeout, compile) for r in range(world_size)
+    ]
     procs, conns = [], []
     try:
         for spec in specs:
@@ -275,14 +360,17 @@ def _collect(
             try:
                 message = conn.recv()
             except EOFError:
+                message = None
+            if message is None:  # it died without reporting
                 procs[rank].join()
+                _raise_for_crash(procs, specs, [rank])
                 raise RankFailedError(
                     rank,
                     f"process died with exit code {procs[rank].exitcode}",
-                    "(no traceback: the process exited without reporting; a negative exit "
-                    "code is the signal that killed it)",
-                ) from None
+                    "(no traceback: the process exited without reporting)",
+                )
             if message[0] == "error":
+                _raise_for_crash(procs, specs, list(pending.values()))  # what broke its peer
                 _raise_for_error(rank, message)
             results[rank] = pickle.loads(message[1])
     return [results[rank] for rank in range(len(procs))]
