@@ -36,11 +36,11 @@ class ParamRecord:
             :class:`~norm_optim._kernels.RemainderMaster` (an fp32 master shard encoded as a
             16-bit param and its int16 remainder: ``dtype``, ``shape`` and ``numel()`` are those
             of the fp32 master), or None.
-        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.Source`).
+        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.inspect.Source`).
         expert: whether it is an expert param (reduced with the expert layout).
         counted: whether this rank adds ``tensor``'s squares to the global norm (then the
             record is a :class:`CountedRecord`, whose ``tensor`` is never None).
-        reason: why it is not counted (:class:`~norm_optim.NotCounted`), or None.
+        reason: why it is not counted (:class:`~norm_optim.inspect.NotCounted`), or None.
         tp_split: whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies).
         split_from: where ``tp_split`` was taken from
             (:class:`~norm_optim._vocabulary.SplitFrom`): the model's checkpoint declaration
