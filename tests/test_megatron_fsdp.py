@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import tempfile
 from typing import Any
 
 import pytest
@@ -32,16 +31,13 @@ from norm_optim.testing.megatron_fsdp import build_fsdp_model, fill_fsdp_determi
 from norm_optim.testing.models import build_model, build_optimizer
 from norm_optim.testing.oracle import global_param_shapes
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
-from tests.support.reads import (
-    MAIN_SCALE,
-    REL,
+from tests.support.fsdp_body import (
     CountingCommunicator,
-    check_read,
     read_after_move,
     read_after_steps,
-    read_norms,
-    unparallel_oracle,
+    run_with_directory,
 )
+from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms, unparallel_oracle
 
 SEED_A, SEED_B = 7, 8
 TIMEOUT = 120.0
@@ -195,9 +191,7 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def _run(name: str) -> tuple[dict[str, Any], ...]:
     """One run per layout, shared by the tests that check it."""
-    layout = LAYOUTS[name]
-    with tempfile.TemporaryDirectory(prefix="norm_optim_fsdp_") as directory:
-        return tuple(run_ranks(_rank_body, layout.world, layout, directory, timeout=TIMEOUT))
+    return run_with_directory(_rank_body, LAYOUTS[name], "norm_optim_fsdp_", TIMEOUT)
 
 
 def _megatron_version() -> tuple[int, ...]:

@@ -39,16 +39,8 @@ from norm_optim.testing.megatron_fsdp import (
 from norm_optim.testing.models import build_optimizer
 from norm_optim.testing.oracle import global_param_shapes
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
-from tests.support.reads import (
-    MAIN_SCALE,
-    REL,
-    CountingCommunicator,
-    check_read,
-    read_after_move,
-    read_after_steps,
-    read_norms,
-    unparallel_oracle,
-)
+from tests.support.fsdp_body import CountingCommunicator, read_after_move, read_after_steps
+from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms, unparallel_oracle
 
 pytestmark = pytest.mark.skipif(
     not has_megatron_fsdp_v2(),

@@ -36,15 +36,8 @@ from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
 from tests.support.layouts import DENSE, MTP, NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
-from tests.support.step_oracle import (
-    adam_step_oracle,
-    assert_training_unchanged,
-    differences,
-    reduced_norms,
-    sum_of_squares,
-    train_armed,
-    ulps,
-)
+from tests.support.arming import assert_training_unchanged, train_armed
+from tests.support.step_oracle import adam_oracle, reduced_norms, sum_of_squares, update_sums
 
 SEED = 7
 REL = 1e-6
@@ -639,14 +632,8 @@ def _megatron_fsdp2() -> dict:
     s = optimizer.step_norms()
     local = [p._local_tensor for p in mains]
     moments = inner.chained_optimizers[0].optimizer.state
-    oracle = reduced_norms(
-        [
-            sum_of_squares(local),
-            sum_of_squares(differences(local, before)),
-            sum_of_squares(moments[p]["exp_avg_sq"]._local_tensor for p in mains),
-            sum_of_squares(ulps(local)),
-        ]
-    )
+    exp_avg_sq = (moments[p]["exp_avg_sq"]._local_tensor for p in mains)
+    oracle = reduced_norms([sum_of_squares(local), *update_sums(local, before, exp_avg_sq)])
     return {
         "grad_norm": grad_norm,
         "got": [float(s.grads.total), float(s.weights.total), float(s.updates.total)],
@@ -688,7 +675,7 @@ def _layer_wise_adam() -> dict:
     ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
     s = optimizer.step_norms()
     states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
-    oracle = adam_step_oracle(mains, mains, before, states)
+    oracle = adam_oracle(mains, mains, before, states)
     return {
         "grad_norm": grad_norm,
         "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
@@ -736,21 +723,14 @@ def _megatron_fsdp(moe: bool, version: int = 1) -> dict:
     s = optimizer.step_norms()
     states = {id(k): v for leaf in _leaves(inner) for k, v in leaf.optimizer.state.items()}
     beta1 = _leaves(inner)[0].optimizer.param_groups[0]["betas"][0]
-    oracle = reduced_norms(
-        [
-            sum_of_squares(differences(local, before)),
-            # a rank whose shard of a param is empty keeps no state for it
-            sum_of_squares(
-                states[id(p)]["exp_avg"]._local_tensor for p in mains if id(p) in states
-            ),
-            sum_of_squares(ulps(local)),
-            sum_of_squares(  # the grads Adam's moments took (unclipped: v2)
-                (v["exp_avg"]._local_tensor.double() - beta1 * m_before[i].double()) / (1 - beta1)
-                for i, v in states.items()
-                if i in m_before
-            ),
-        ]
+    # A rank whose shard of a param is empty keeps no state for it.
+    exp_avg = (states[id(p)]["exp_avg"]._local_tensor for p in mains if id(p) in states)
+    moment_grads = (  # the grads Adam's moments took (unclipped: v2)
+        (v["exp_avg"]._local_tensor.double() - beta1 * m_before[i].double()) / (1 - beta1)
+        for i, v in states.items()
+        if i in m_before
     )
+    oracle = reduced_norms([*update_sums(local, before, exp_avg), sum_of_squares(moment_grads)])
     return {
         "grad_norm": grad_norm if version == 1 else oracle[3],
         "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
@@ -817,13 +797,8 @@ def _hybrid_offload() -> dict:
     optimizer.measure_next_step()
     ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
     s = optimizer.step_norms()
-    oracle = reduced_norms(
-        [
-            sum_of_squares(differences(mains, before)),
-            sum_of_squares(hybrid.state[p]["exp_avg"] for p in mains if p in hybrid.state),
-            sum_of_squares(ulps(mains)),
-        ]
-    )
+    exp_avg = (hybrid.state[p]["exp_avg"] for p in mains if p in hybrid.state)
+    oracle = reduced_norms(update_sums(mains, before, exp_avg))
     got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
     return {"grad_norm": grad_norm, "got": got, "oracle": oracle}
 
@@ -969,7 +944,7 @@ def _mimo() -> dict:
     step(1)
     s = optimizer.step_norms()
     states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
-    oracle = adam_step_oracle((p.grad for p in mains), mains, before, states)
+    oracle = adam_oracle((p.grad for p in mains), mains, before, states)
     got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
     return {"got": got, "oracle": oracle}
 

@@ -35,13 +35,8 @@ from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
 from tests.support.layouts import SMALL, SMALL_MOE
-from tests.support.step_oracle import (
-    assert_training_unchanged,
-    differences,
-    sum_of_squares,
-    train_armed,
-    ulps,
-)
+from tests.support.arming import assert_training_unchanged, train_armed
+from tests.support.step_oracle import differences, sum_of_squares, ulps
 
 pytestmark = pytest.mark.skipif(
     not (megatron_at_least(0, 19) and importlib.util.find_spec("emerging_optimizers")),

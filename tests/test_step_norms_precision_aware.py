@@ -32,14 +32,8 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, train_step
 from tests.support.layouts import SMALL
-from tests.support.step_oracle import (
-    assert_training_unchanged,
-    differences,
-    reduced_norms,
-    sum_of_squares,
-    train_armed,
-    ulps,
-)
+from tests.support.arming import assert_training_unchanged, train_armed
+from tests.support.step_oracle import differences, reduced_norms, sum_of_squares, ulps
 
 SEED = 7
 REL = 1e-6

@@ -42,15 +42,13 @@ from norm_optim.testing.oracle import (
 )
 from norm_optim._versions import megatron_at_least
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
-from tests.support.reads import (
-    MAIN_SCALE,
-    REL,
+from tests.support.fsdp_body import (
     CountingCommunicator,
-    check_read,
     read_after_move,
     read_after_steps,
-    read_norms,
+    run_with_directory,
 )
+from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms
 
 SEED_A, SEED_B = 7, 8
 TIMEOUT = 180.0
@@ -190,9 +188,7 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=None)
 def _megatron_run(name: str) -> tuple[dict[str, Any], ...]:
-    layout = MEGATRON_LAYOUTS[name]
-    with tempfile.TemporaryDirectory(prefix="norm_optim_fsdp2_") as directory:
-        return tuple(run_ranks(_megatron_body, layout.world, layout, directory, timeout=TIMEOUT))
+    return run_with_directory(_megatron_body, MEGATRON_LAYOUTS[name], "norm_optim_fsdp2_", TIMEOUT)
 
 
 @pytest.mark.parametrize("name", list(MEGATRON_LAYOUTS))

@@ -5,62 +5,18 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from norm_optim.inspect import TorchCommunicator
 from norm_optim.testing import init_parallel, run_ranks
-from norm_optim.testing.models import TinyGPTConfig, build_model, train_step
+from norm_optim.testing.models import TinyGPTConfig, build_model
 from norm_optim.testing.oracle import global_param_shapes, oracle_sum_of_squares
 
 MAIN_SCALE = 1.0 + 2.0**-10
 """What the tests scale the fp32 mains by (not representable in bf16): a norm read from the
 bf16 weights instead of the mains is then off by far more than ``REL``."""
 REL = 1e-6
-
-
-class CountingCommunicator(TorchCommunicator):
-    """The default communicator, counting the all-reduces it makes (what :func:`read_norms`
-    reads)."""
-
-    all_reduces = 0
-
-    def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
-        self.all_reduces += 1
-        return super().all_reduce_sum(tensor, group, async_op)
-
-
-def read_after_steps(
-    optimizer: Any, chunks: list, refill: Callable[[], None], counting: Any
-) -> dict[str, Any]:
-    """Two real steps move the weights and keep the registry's tensors valid: the norm after
-    them, whether they rebuilt the registry, and (after ``refill`` puts the known values back)
-    the norms read again."""
-    registry = optimizer.registry
-    for step in range(2):
-        train_step(chunks, optimizer, seed=step)
-    got = {
-        "trained_changed": float(optimizer.param_l2_norm()),
-        "rebuilt_by_steps": optimizer.registry is not registry,
-    }
-    refill()
-    got["after_steps"] = read_norms(optimizer, counting)
-    return got
-
-
-def read_after_move(
-    optimizer: Any, move: Callable[[], None], refill: Callable[[], None]
-) -> dict[str, Any]:
-    """``move`` gives the fp32 mains new storage behind the wrapper's back and ``refill`` writes
-    into it only: the norm then, and whether the registry was rebuilt (it must be)."""
-    registry = optimizer.registry
-    move()
-    refill()
-    return {
-        "after_move": float(optimizer.param_l2_norm()),
-        "rebuilt_after_move": optimizer.registry is not registry,
-    }
 
 
 def read_norms(optimizer: Any, counting: Any) -> dict[str, Any]:
