@@ -56,6 +56,8 @@ from norm_optim._name_exchange import digests, encode, name_parts, pack, speaker
 from norm_optim.integrations._checkpoint_norms import CheckpointParity
 from norm_optim.testing.comm import RecordingCommunicator, Traffic
 
+from .units import format_bytes
+
 # The bounds at 16,384 ranks (benchmarks/README.md): bytes one rank receives per operation, the
 # audit's seconds of Python, the report's bytes.
 BOUNDS = {"received": 1 << 20, "python_s": 1.0, "report": 64 << 10}
@@ -535,13 +537,6 @@ def validate(params: int, worlds: Sequence[int]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- output
 
 
-def _bytes(n: int) -> str:
-    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 def format_rows(rows: Sequence[Row]) -> str:
     lines = [
         "| layout | W | operation | collectives | sent | received | host syncs | Python s "
@@ -549,9 +544,10 @@ def format_rows(rows: Sequence[Row]) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {r.layout} | {r.world:,} | {r.operation} | {r.collectives} | {_bytes(r.sent)} "
-        f"| {_bytes(r.received)} | {r.syncs} | {r.python_s:.3f} | {_bytes(r.peak_receive)} "
-        f"| {_bytes(r.report) + f' ({r.findings} findings)' if r.report else ''} |"
+        f"| {r.layout} | {r.world:,} | {r.operation} | {r.collectives} "
+        f"| {format_bytes(r.sent)} | {format_bytes(r.received)} | {r.syncs} | {r.python_s:.3f} "
+        f"| {format_bytes(r.peak_receive)} "
+        f"| {format_bytes(r.report) + f' ({r.findings} findings)' if r.report else ''} |"
         for r in rows
     ]
     return "\n".join(lines)
@@ -580,12 +576,12 @@ def format_summary(rows: Sequence[Row]) -> str:
         for operation in dict.fromkeys(r.operation for r in mine):
             at = {r.world: r for r in mine if r.operation == operation}
             big = at[top]
-            report = f"{_bytes(big.report)} ({big.findings} findings)" if big.report else ""
+            report = f"{format_bytes(big.report)} ({big.findings} findings)" if big.report else ""
             out.append(
                 f"| {operation} | "
-                + " | ".join(_bytes(at[w].received) for w in worlds)
+                + " | ".join(format_bytes(at[w].received) for w in worlds)
                 + f" | {big.collectives} | {big.syncs} | {big.python_s:.3f} "
-                f"| {_bytes(big.peak_receive)} | {report} |"
+                f"| {format_bytes(big.peak_receive)} | {report} |"
             )
         out.append("")
     return "\n".join(out)

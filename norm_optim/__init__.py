@@ -5,50 +5,42 @@ Wrap the optimizer once; ask for the norm at log intervals::
     from norm_optim import NormAwareOptimizer
     optimizer = NormAwareOptimizer(get_megatron_optimizer(config, model_chunks), model=model_chunks)
     norm = optimizer.param_l2_norm()   # float(norm) is the global L2 norm of the weights
+
+What a training script names is here; the types for looking inside (the registry, its
+records, the audit's and the resume proof's reports) are in :mod:`norm_optim.inspect`.
 """
 
-from ._findings import AuditError, AuditReport, Finding, FindingKind
-from ._comm import Communicator, TorchCommunicator
+import functools
+
+from . import inspect
+from ._comm import Communicator
 from ._errors import (
     NormOptimError,
     ParallelStateError,
     UnknownParamError,
     UnsupportedOptimizerError,
 )
-from ._norm import NamedNorms, ParamNorms, PendingNorms
-from ._ownership import RankCoords
-from ._registry import CountedRecord, ParamRecord, ParamRegistry
+from ._findings import AuditError
+from ._moved import Moved, moved_names
+from ._norm import ParamNorms, PendingNorms
 from ._resume import StateFingerprint
-from ._resume_report import ResumeReport, verify_resume
+from ._resume_report import verify_resume
 from ._step import StepNorms
 from ._versions import UntestedMegatronWarning
 from ._watch import Alarm, Watch, WatchConfig
-from ._vocabulary import NotCounted, Source
 from ._wrapper import NormAwareOptimizer
 
 __all__ = [
     "Alarm",
     "AuditError",
-    "AuditReport",
     "Communicator",
-    "CountedRecord",
-    "Finding",
-    "FindingKind",
-    "NamedNorms",
     "NormAwareOptimizer",
-    "NotCounted",
     "NormOptimError",
     "ParallelStateError",
     "ParamNorms",
-    "ParamRecord",
-    "ParamRegistry",
     "PendingNorms",
-    "RankCoords",
-    "ResumeReport",
-    "Source",
     "StateFingerprint",
     "StepNorms",
-    "TorchCommunicator",
     "UnknownParamError",
     "UnsupportedOptimizerError",
     "UntestedMegatronWarning",
@@ -56,5 +48,19 @@ __all__ = [
     "WatchConfig",
     "verify_resume",
 ]
+
+# Exported here until 0.4.0; served from norm_optim.inspect with a DeprecationWarning.
+__getattr__ = moved_names(
+    __name__,
+    {
+        name: Moved(
+            "0.5.0",
+            "0.6.0",
+            f"norm_optim.inspect.{name}",
+            functools.partial(getattr, inspect, name),
+        )
+        for name in inspect.__all__
+    },
+)
 
 __version__ = "0.4.0"

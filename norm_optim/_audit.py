@@ -144,9 +144,9 @@ def _has_main_copies(record: ParamRecord, layout: AuditLayout, comm: Communicato
     """Whether another rank holds a copy of the main (or shard) ``record`` holds: a whole main
     replicated over DP, a TP duplicate's, a tied copy's, or a shard that another optimizer
     instance holds too. A shard only this rank holds is checked against its weight alone."""
+    if layout.single:
+        return False
     copies = record.copies
-    if copies is None or layout.single:
-        return not layout.single
     replicas = layout.expert_replicas if copies.expert else layout.dense_replicas
     replicas_size = comm.size(replicas) if replicas is not None else 1
     if (copies.replicated and replicas_size > 1) or id(record.param) in layout.tied_params:
@@ -195,28 +195,28 @@ def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]
         _Check(
             "tp-duplicates",
             layout.dense_tp,
-            [r for r in dense if not _tp_split(r)],
+            [r for r in dense if not r.tp_split],
             kinds.TP_DUPLICATES_DIFFER,
             kinds.MAIN_TP_DUPLICATES_DIFFER,
         ),
         _Check(
             "expert-tp-duplicates",
             layout.expert_tp,
-            [r for r in expert if not _tp_split(r)],
+            [r for r in expert if not r.tp_split],
             kinds.EXPERT_TP_DUPLICATES_DIFFER,
             kinds.MAIN_TP_DUPLICATES_DIFFER,
         ),
         _Check(
             "gtp-copies",
             layout.dense_gtp,
-            [r for r in dense if not _gtp_sharded(r)],
+            [r for r in dense if not r.copies.gtp_sharded],
             kinds.GTP_COPIES_DIFFER,
             kinds.GTP_COPIES_DIFFER,
         ),
         _Check(
             "expert-gtp-copies",
             layout.expert_gtp,
-            [r for r in expert if not _gtp_sharded(r)],
+            [r for r in expert if not r.copies.gtp_sharded],
             kinds.GTP_COPIES_DIFFER,
             kinds.GTP_COPIES_DIFFER,
         ),
@@ -229,14 +229,6 @@ def _checks(records: Sequence[ParamRecord], layout: AuditLayout) -> list[_Check]
             by_name=False,  # the word embeddings and the output weight: two names, one weight
         ),
     ]
-
-
-def _gtp_sharded(record: ParamRecord) -> bool:
-    return record.copies.gtp_sharded if record.copies is not None else False
-
-
-def _tp_split(record: ParamRecord) -> bool:
-    return record.copies.tp_split if record.copies is not None else record.tp_split
 
 
 def _name_hash(name: str) -> int:

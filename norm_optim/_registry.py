@@ -36,20 +36,18 @@ class ParamRecord:
             :class:`~norm_optim._kernels.RemainderMaster` (an fp32 master shard encoded as a
             16-bit param and its int16 remainder: ``dtype``, ``shape`` and ``numel()`` are those
             of the fp32 master), or None.
-        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.Source`).
-        expert: whether it is an expert param (reduced with the expert layout).
+        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.inspect.Source`).
         counted: whether this rank adds ``tensor``'s squares to the global norm (then the
             record is a :class:`CountedRecord`, whose ``tensor`` is never None).
-        reason: why it is not counted (:class:`~norm_optim.NotCounted`), or None.
-        tp_split: whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies).
+        reason: why it is not counted (:class:`~norm_optim.inspect.NotCounted`), or None.
+        copies: which groups hold copies of what this rank holds (the counting rule's input;
+            the audit compares those copies). ``expert`` and ``tp_split`` read it.
         split_from: where ``tp_split`` was taken from
             (:class:`~norm_optim._vocabulary.SplitFrom`): the model's checkpoint declaration
             (``sharded_state_dict``) or megatron's marker (no declaration; models that are not
             megatron modules).
         note: for a megatron model's param, how megatron's marker disagrees with its
             declaration (the declaration counts), or why there is no declaration; else None.
-        copies: which groups hold copies of what this rank holds (the counting rule's input;
-            the audit compares those copies).
         offset: where ``tensor`` starts in the flattened param (a shard's start, else 0).
     """
 
@@ -58,14 +56,23 @@ class ParamRecord:
     param: torch.nn.Parameter
     tensor: Optional[Summand]
     source: Source
-    expert: bool
     counted: bool
     reason: Optional[NotCounted]
-    tp_split: bool = False
+    copies: Copies
     split_from: SplitFrom = SplitFrom.MARKER
     note: Optional[str] = None
-    copies: Optional[Copies] = None
     offset: int = 0
+
+    # What the counting rule read is kept once, in ``copies``; these read it.
+    @property
+    def expert(self) -> bool:
+        """Whether it is an expert param (reduced with the expert layout)."""
+        return self.copies.expert
+
+    @property
+    def tp_split(self) -> bool:
+        """Whether the (expert-)TP group splits it (if not, TP ranks > 0 hold copies)."""
+        return self.copies.tp_split
 
     @property
     def numel(self) -> int:
@@ -199,14 +206,14 @@ class ParamRegistry:
 def _record(held: HeldParam, *, count_frozen: bool) -> ParamRecord:
     """The counting rule applied to one param the adapter read: a :class:`CountedRecord` when
     this rank counts it."""
-    holding, traits = held.holding, held.traits
+    holding, traits, copies = held.holding, held.traits, held.copies
     if holding.source.is_frozen and not count_frozen:  # whole frozen params or their shards
         reason: Optional[NotCounted] = NotCounted.FROZEN_EXCLUDED
     elif holding.tensor is None:
         # A tied copy is no param of its own, whether or not this rank holds a shard of it.
         reason = NotCounted.SHARED if traits.tied_copy else NotCounted.HELD_ELSEWHERE
     else:
-        reason = why_not_counted(held.copies, held.coords)
+        reason = why_not_counted(copies, held.coords)
     # A counted param always has a tensor (no tensor is a reason above): CountedRecord checks
     # that when it is built, which mypy cannot follow through the merged branches.
     kind: type[ParamRecord] = ParamRecord if reason is not None else CountedRecord
@@ -216,12 +223,10 @@ def _record(held: HeldParam, *, count_frozen: bool) -> ParamRecord:
         param=held.param,
         tensor=holding.tensor,
         source=holding.source,
-        expert=traits.expert,
         counted=reason is None,
         reason=reason,
-        tp_split=traits.tp_split,
+        copies=copies,
         split_from=traits.split_from,
         note=traits.note,
-        copies=held.copies,
         offset=holding.offset,
     )

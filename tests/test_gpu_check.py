@@ -8,6 +8,7 @@ megatron-core optimizer under the CPU shim) and writes its files.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import pathlib
@@ -187,7 +188,7 @@ def test_megatron_rows_skip_without_megatron_core(monkeypatch: pytest.MonkeyPatc
     def no_megatron(name: str):  # type: ignore[no-untyped-def]
         raise ImportError(f"No module named {name!r}")
 
-    monkeypatch.setattr(gpu_check.importlib, "import_module", no_megatron)
+    monkeypatch.setattr(importlib, "import_module", no_megatron)
     (r,) = gpu_check.megatron_section(CPU, {}, QUICK)
     assert r["section"] == "megatron"
     assert r["note"] == "skipped: megatron-core not installed"

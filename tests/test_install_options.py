@@ -19,8 +19,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from norm_optim import AuditError, AuditReport, WatchConfig
-from norm_optim._findings import Finding, FindingKind
+from norm_optim import AuditError, WatchConfig
+from norm_optim.inspect import AuditReport, Finding, FindingKind
 from norm_optim._norm import ParamNorms
 from norm_optim._watch import Watch
 from norm_optim.integrations import megatron_bridge, megatron_lm

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import tempfile
 from typing import Any
 
 import pytest
@@ -29,9 +28,15 @@ import torch
 from norm_optim._errors import UnsupportedOptimizerError
 from norm_optim.testing import RankFailedError, init_parallel, run_ranks
 from norm_optim.testing.megatron_fsdp import build_fsdp_model, fill_fsdp_deterministic_
-from norm_optim.testing.models import build_model, build_optimizer, train_step
+from norm_optim.testing.models import build_model, build_optimizer
 from norm_optim.testing.oracle import global_param_shapes
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.fsdp_body import (
+    CountingCommunicator,
+    read_after_move,
+    read_after_steps,
+    run_with_directory,
+)
 from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms, unparallel_oracle
 
 SEED_A, SEED_B = 7, 8
@@ -138,19 +143,11 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from norm_optim import NormAwareOptimizer
-    from norm_optim._comm import TorchCommunicator
-
-    class Counting(TorchCommunicator):
-        all_reduces = 0
-
-        def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
-            self.all_reduces += 1
-            return super().all_reduce_sum(tensor, group, async_op)
 
     init_parallel(**layout.parallel())
     chunks = build_fsdp_model(layout.cfg, seed=3, **_fsdp_options(layout))
     inner = build_optimizer(chunks, lr=1e-2)
-    counting = Counting()
+    counting = CountingCommunicator()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=counting)
     got: dict[str, Any] = {"shapes": global_param_shapes(chunks, trainable_only=False)}
 
@@ -162,13 +159,7 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     )
     got["counted_numel"] = optimizer.registry.counted_numel
 
-    registry = optimizer.registry
-    for step in range(2):  # real steps move the weights; the same tensors stay valid
-        train_step(chunks, optimizer, seed=step)
-    got["trained_changed"] = float(optimizer.param_l2_norm())
-    got["rebuilt_by_steps"] = optimizer.registry is not registry
-    _fill(chunks, inner, SEED_A)
-    got["after_steps"] = read_norms(optimizer, counting)
+    got.update(read_after_steps(optimizer, chunks, lambda: _fill(chunks, inner, SEED_A), counting))
     chunks[0].start_param_sync()  # the module now holds the original params
     got["raw_state"] = float(optimizer.param_l2_norm())
     optimizer.refresh()  # a registry built in that state
@@ -187,20 +178,20 @@ def _rank_body(layout: Layout, directory: str) -> dict[str, Any]:
     # Megatron-LM's own function on the same weights (it reads the DTensors' local tensors).
     got["megatron"] = _megatron_norm(chunks)
 
-    registry = optimizer.registry
-    _move_main_weights(chunks, inner)
-    _fill(chunks, inner, SEED_B)  # into the new storage only
-    got["after_move"] = float(optimizer.param_l2_norm())
-    got["rebuilt_after_move"] = optimizer.registry is not registry
+    got.update(
+        read_after_move(
+            optimizer,
+            lambda: _move_main_weights(chunks, inner),
+            lambda: _fill(chunks, inner, SEED_B),
+        )
+    )
     return got
 
 
 @functools.lru_cache(maxsize=None)
 def _run(name: str) -> tuple[dict[str, Any], ...]:
     """One run per layout, shared by the tests that check it."""
-    layout = LAYOUTS[name]
-    with tempfile.TemporaryDirectory(prefix="norm_optim_fsdp_") as directory:
-        return tuple(run_ranks(_rank_body, layout.world, layout, directory, timeout=TIMEOUT))
+    return run_with_directory(_rank_body, LAYOUTS[name], "norm_optim_fsdp_", TIMEOUT)
 
 
 def _megatron_version() -> tuple[int, ...]:

@@ -36,9 +36,10 @@ from norm_optim.testing.megatron_fsdp import (
     fill_fsdp_v2_deterministic_,
     fsdp_v2_parameter_groups,
 )
-from norm_optim.testing.models import build_optimizer, train_step
+from norm_optim.testing.models import build_optimizer
 from norm_optim.testing.oracle import global_param_shapes
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.fsdp_body import CountingCommunicator, read_after_move, read_after_steps
 from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms, unparallel_oracle
 
 pytestmark = pytest.mark.skipif(
@@ -101,19 +102,11 @@ def _megatron_norm(chunks: list) -> float:
 
 def _rank_body(layout: Layout) -> dict[str, Any]:
     from norm_optim import NormAwareOptimizer
-    from norm_optim._comm import TorchCommunicator
-
-    class Counting(TorchCommunicator):
-        all_reduces = 0
-
-        def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
-            self.all_reduces += 1
-            return super().all_reduce_sum(tensor, group, async_op)
 
     init_parallel(**layout.parallel())
     chunks = build_fsdp_model(layout.cfg, seed=3, freeze=layout.freeze, version=2)
     inner = build_optimizer(chunks, lr=1e-2, clip_grad=0.0 if layout.ep > 1 else 1.0)
-    counting = Counting()
+    counting = CountingCommunicator()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=counting)
     got: dict[str, Any] = {
         "shapes": global_param_shapes(chunks, trainable_only=False),
@@ -130,22 +123,15 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
     got["sources"] = sorted({str(r.source) for r in optimizer.registry})
     got["megatron"] = _megatron_norm(chunks)  # the same weights
 
-    registry = optimizer.registry
-    for step in range(2):  # real steps move the weights; the same tensors stay valid
-        train_step(chunks, optimizer, seed=step)
-    got["trained_changed"] = float(optimizer.param_l2_norm())
-    got["rebuilt_by_steps"] = optimizer.registry is not registry
-    _fill(chunks, inner, SEED_A)
-    got["after_steps"] = read_norms(optimizer, counting)
+    got.update(read_after_steps(optimizer, chunks, lambda: _fill(chunks, inner, SEED_A), counting))
     got["without_frozen"] = float(
         NormAwareOptimizer(inner, model=chunks, count_frozen=False).param_l2_norm()
     )
-
-    registry = optimizer.registry
-    _move_main_weights(chunks)
-    _fill(chunks, inner, SEED_B)  # into the new storage only
-    got["after_move"] = float(optimizer.param_l2_norm())
-    got["rebuilt_after_move"] = optimizer.registry is not registry
+    got.update(
+        read_after_move(
+            optimizer, lambda: _move_main_weights(chunks), lambda: _fill(chunks, inner, SEED_B)
+        )
+    )
     return got
 
 

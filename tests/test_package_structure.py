@@ -171,11 +171,46 @@ def test_the_version_is_written_once() -> None:
     assert f"## [{norm_optim.__version__}]" in changelog or "## [Unreleased]" in changelog
 
 
+def test_the_top_level_holds_what_a_training_script_names() -> None:
+    """``norm_optim.__all__`` stays small (what a script names); the types for looking inside
+    are ``norm_optim.inspect``'s, exported once."""
+    import norm_optim
+    import norm_optim.inspect
+
+    assert len(norm_optim.__all__) <= 16
+    assert set(norm_optim.__all__).isdisjoint(norm_optim.inspect.__all__)
+    assert {"NormAwareOptimizer", "verify_resume", "StateFingerprint", "Communicator"} <= set(
+        norm_optim.__all__
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current names do not warn
+        for module in (norm_optim, norm_optim.inspect):
+            for name in module.__all__:
+                getattr(module, name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ParamRecord", "CountedRecord", "ParamRegistry", "RankCoords", "NotCounted", "Source"],
+)
+def test_an_inspection_type_at_the_top_level_warns_and_works(name: str) -> None:
+    import norm_optim
+    import norm_optim.inspect
+
+    with pytest.warns(DeprecationWarning, match=f"use norm_optim.inspect.{name}") as caught:
+        old = getattr(norm_optim, name)
+    assert old is getattr(norm_optim.inspect, name)
+    assert caught[0].filename == __file__  # the warning names the line that reads the name
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        norm_optim.NoSuchName  # noqa: B018
+
+
 @pytest.mark.parametrize("loop", ["megatron_lm", "megatron_bridge"])
 def test_a_renamed_integration_name_warns_and_works(loop: str) -> None:
     module = importlib.import_module(f"norm_optim.integrations.{loop}")
-    with pytest.warns(DeprecationWarning, match="LoggedParamsNorm"):
+    with pytest.warns(DeprecationWarning, match="LoggedParamsNorm") as caught:
         old = module.ParamsNormWithBreakdown
+    assert caught[0].filename == __file__
     assert old is module.LoggedParamsNorm
     assert f"{old(5.0, 3.0, 4.0):.1f}" == "5.0 | params norm dense: 3.0 | params norm expert: 4.0"
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):

@@ -28,13 +28,16 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim import NormAwareOptimizer, TorchCommunicator, UnsupportedOptimizerError
+from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
+from norm_optim.inspect import TorchCommunicator
 from norm_optim._versions import megatron_at_least
 from norm_optim.integrations._scalars import step_scalars
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
 from tests.support.layouts import DENSE, MTP, NEEDS_TORCH_FSDP2, SMALL, SMALL_MOE, Layout
+from tests.support.arming import assert_training_unchanged, train_armed
+from tests.support.step_oracle import adam_oracle, reduced_norms, sum_of_squares, update_sums
 
 SEED = 7
 REL = 1e-6
@@ -627,39 +630,15 @@ def _megatron_fsdp2() -> dict:
     optimizer.measure_next_step()
     ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
     s = optimizer.step_norms()
-    local = [
-        math.fsum(float(p._local_tensor.double().square().sum()) for p in mains),
-        math.fsum(
-            float((p._local_tensor.double() - b.double()).square().sum())
-            for p, b in zip(mains, before)
-        ),
-        math.fsum(
-            float(
-                inner.chained_optimizers[0]
-                .optimizer.state[p]["exp_avg_sq"]
-                ._local_tensor.double()
-                .square()
-                .sum()
-            )
-            for p in mains
-        ),
-        math.fsum(
-            float(
-                (torch.nextafter(p._local_tensor, torch.tensor(math.inf)) - p._local_tensor)
-                .double()
-                .square()
-                .sum()
-            )
-            for p in mains
-        ),
-    ]
-    total = torch.tensor(local, dtype=torch.float64)
-    torch.distributed.all_reduce(total)
+    local = [p._local_tensor for p in mains]
+    moments = inner.chained_optimizers[0].optimizer.state
+    exp_avg_sq = (moments[p]["exp_avg_sq"]._local_tensor for p in mains)
+    oracle = reduced_norms([sum_of_squares(local), *update_sums(local, before, exp_avg_sq)])
     return {
         "grad_norm": grad_norm,
         "got": [float(s.grads.total), float(s.weights.total), float(s.updates.total)],
         "exp_avg_sq": float(s.exp_avg_sq.total),  # type: ignore[union-attr]
-        "oracle": total.sqrt().tolist(),
+        "oracle": oracle,
     }
 
 
@@ -696,25 +675,11 @@ def _layer_wise_adam() -> dict:
     ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
     s = optimizer.step_norms()
     states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
-    local = torch.tensor(
-        [
-            math.fsum(float(p.double().square().sum()) for p in mains),
-            math.fsum(
-                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
-            ),
-            math.fsum(float(states[id(p)]["exp_avg"].double().square().sum()) for p in mains),
-            math.fsum(
-                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
-                for p in mains
-            ),
-        ],
-        dtype=torch.float64,
-    )
-    torch.distributed.all_reduce(local)
+    oracle = adam_oracle(mains, mains, before, states)
     return {
         "grad_norm": grad_norm,
         "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
-        "oracle": local.sqrt().tolist(),
+        "oracle": oracle,
     }
 
 
@@ -758,40 +723,18 @@ def _megatron_fsdp(moe: bool, version: int = 1) -> dict:
     s = optimizer.step_norms()
     states = {id(k): v for leaf in _leaves(inner) for k, v in leaf.optimizer.state.items()}
     beta1 = _leaves(inner)[0].optimizer.param_groups[0]["betas"][0]
-    sums = torch.tensor(
-        [
-            math.fsum(
-                float((t.double() - b.double()).square().sum()) for t, b in zip(local, before)
-            ),
-            math.fsum(  # a rank whose shard of a param is empty keeps no state for it
-                float(states[id(p)]["exp_avg"]._local_tensor.double().square().sum())
-                for p in mains
-                if id(p) in states
-            ),
-            math.fsum(
-                float((torch.nextafter(t, torch.tensor(math.inf)) - t).double().square().sum())
-                for t in local
-            ),
-            math.fsum(  # the grads Adam's moments took (unclipped: v2)
-                float(
-                    (
-                        (v["exp_avg"]._local_tensor.double() - beta1 * m_before[i].double())
-                        / (1 - beta1)
-                    )
-                    .square()
-                    .sum()
-                )
-                for i, v in states.items()
-                if i in m_before
-            ),
-        ],
-        dtype=torch.float64,
+    # A rank whose shard of a param is empty keeps no state for it.
+    exp_avg = (states[id(p)]["exp_avg"]._local_tensor for p in mains if id(p) in states)
+    moment_grads = (  # the grads Adam's moments took (unclipped: v2)
+        (v["exp_avg"]._local_tensor.double() - beta1 * m_before[i].double()) / (1 - beta1)
+        for i, v in states.items()
+        if i in m_before
     )
-    torch.distributed.all_reduce(sums)
+    oracle = reduced_norms([*update_sums(local, before, exp_avg), sum_of_squares(moment_grads)])
     return {
-        "grad_norm": grad_norm if version == 1 else float(sums[3].sqrt()),
+        "grad_norm": grad_norm if version == 1 else oracle[3],
         "got": [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)],  # type: ignore[union-attr]
-        "oracle": sums.sqrt().tolist(),
+        "oracle": oracle,
     }
 
 
@@ -854,26 +797,10 @@ def _hybrid_offload() -> dict:
     optimizer.measure_next_step()
     ok, grad_norm, _ = train_step(chunks, optimizer, seed=1)
     s = optimizer.step_norms()
-    sums = torch.tensor(
-        [
-            math.fsum(
-                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
-            ),
-            math.fsum(
-                float(hybrid.state[p]["exp_avg"].double().square().sum())
-                for p in mains
-                if p in hybrid.state
-            ),
-            math.fsum(
-                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
-                for p in mains
-            ),
-        ],
-        dtype=torch.float64,
-    )
-    torch.distributed.all_reduce(sums)
+    exp_avg = (hybrid.state[p]["exp_avg"] for p in mains if p in hybrid.state)
+    oracle = reduced_norms(update_sums(mains, before, exp_avg))
     got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
-    return {"grad_norm": grad_norm, "got": got, "oracle": sums.sqrt().tolist()}
+    return {"grad_norm": grad_norm, "got": got, "oracle": oracle}
 
 
 def test_hybrid_device_optimizer() -> None:
@@ -888,15 +815,8 @@ def test_hybrid_device_optimizer() -> None:
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    returns = []
-    for step in range(3):
-        if armed:
-            optimizer.measure_next_step(per_param=step % 2 == 1)
-        returns.append(train_step(chunks, optimizer, seed=step))
-        if armed:
-            float(optimizer.step_norms().updates.total)
     return {
-        "returns": returns,
+        "returns": train_armed(chunks, optimizer, armed),
         "params": [p.detach().clone() for c in chunks for p in c.parameters()],
         "mains": [t.detach().clone() for g in inner.param_groups for t in g["params"]],
         "own": [sorted(vars(leaf)) for leaf in [inner, *_leaves(inner)]],
@@ -908,11 +828,7 @@ def test_arming_changes_no_training_bit(name: str) -> None:
     case = CASES[name]
     plain = run_ranks(_training, case.layout.world, case, False)
     armed = run_ranks(_training, case.layout.world, case, True)
-    for rank, (a, b) in enumerate(zip(plain, armed)):
-        assert a["returns"] == b["returns"], f"rank {rank}: step() returned something else"
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
-        assert all(torch.equal(x, y) for x, y in zip(a["mains"], b["mains"])), rank
-        assert a["own"] == b["own"], f"rank {rank}: the hooks left attributes behind"
+    assert_training_unchanged(plain, armed, "the hooks left attributes behind")
 
 
 # FusedAdam uses whose step is not read exactly: (stand-in, constructor flags).
@@ -1028,23 +944,9 @@ def _mimo() -> dict:
     step(1)
     s = optimizer.step_norms()
     states = {id(k): v for leaf in leaves for k, v in leaf.optimizer.state.items()}
-    sums = torch.tensor(
-        [
-            math.fsum(float(p.grad.double().square().sum()) for p in mains),
-            math.fsum(
-                float((p.double() - b.double()).square().sum()) for p, b in zip(mains, before)
-            ),
-            math.fsum(float(states[id(p)]["exp_avg"].double().square().sum()) for p in mains),
-            math.fsum(
-                float((torch.nextafter(p, torch.tensor(math.inf)) - p).double().square().sum())
-                for p in mains
-            ),
-        ],
-        dtype=torch.float64,
-    )
-    torch.distributed.all_reduce(sums)
+    oracle = adam_oracle((p.grad for p in mains), mains, before, states)
     got = [float(s.grads.total), float(s.updates.total), float(s.exp_avg.total)]  # type: ignore[union-attr]
-    return {"got": got, "oracle": sums.sqrt().tolist()}
+    return {"got": got, "oracle": oracle}
 
 
 def test_mimo() -> None:

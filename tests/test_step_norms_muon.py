@@ -35,6 +35,8 @@ from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
 from tests.support.layouts import SMALL, SMALL_MOE
+from tests.support.arming import assert_training_unchanged, train_armed
+from tests.support.step_oracle import differences, sum_of_squares, ulps
 
 pytestmark = pytest.mark.skipif(
     not (megatron_at_least(0, 19) and importlib.util.find_spec("emerging_optimizers")),
@@ -175,20 +177,19 @@ class MuonProbe:
             new, state = main.detach().double(), states.get(id(main), {})
             if "momentum_buffer" in state:
                 self.muon.add(name)
-            ulp = torch.nextafter(main.detach(), torch.tensor(math.inf)) - main.detach()
             values = [
-                new.square().sum(),
-                grad.square().sum(),
-                (new - old.double()).square().sum(),
+                sum_of_squares([new]),
+                sum_of_squares([grad]),
+                sum_of_squares(differences([new], [old])),
                 *(
-                    state[key].double().square().sum() if key in state else 0.0
+                    sum_of_squares([state[key]]) if key in state else 0.0
                     for key in ("exp_avg", "exp_avg_sq", "momentum_buffer")
                 ),
-                ulp.double().square().sum(),
+                sum_of_squares(ulps([main.detach()])),
             ]
             sums = self.sums.setdefault(name, [0.0] * len(values))
             for i, v in enumerate(values):
-                sums[i] += float(v)
+                sums[i] += v
         return result
 
     def oracle(self) -> tuple[dict[str, list[float]], set[str]]:
@@ -334,13 +335,7 @@ def test_a_muon_with_its_own_step_is_refused_by_name() -> None:
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    returns = []
-    for step in range(3):
-        if armed:
-            optimizer.measure_next_step(per_param=step % 2 == 1)
-        returns.append(train_step(chunks, optimizer, seed=step))
-        if armed:
-            float(optimizer.step_norms().updates.total)
+    returns = train_armed(chunks, optimizer, armed)
     leaves = [leaf.optimizer for leaf in _leaves(inner) if getattr(leaf, "optimizer", None)]
     return {
         "returns": returns,
@@ -361,8 +356,4 @@ def test_arming_changes_no_training_bit(name: str) -> None:
     case = CASES[name]
     plain = run_ranks(_training, case.world, case, False)
     armed = run_ranks(_training, case.world, case, True)
-    for rank, (a, b) in enumerate(zip(plain, armed)):
-        assert a["returns"] == b["returns"], rank
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
-        assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"])), rank
-        assert a["own"] == b["own"], f"rank {rank}: the in-step hooks left attributes behind"
+    assert_training_unchanged(plain, armed, "the in-step hooks left attributes behind")

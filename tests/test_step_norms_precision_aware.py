@@ -22,7 +22,6 @@ the step reads, so it matches the stored difference within one ulp of each weigh
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import pytest
@@ -33,6 +32,8 @@ from norm_optim._versions import megatron_at_least
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, train_step
 from tests.support.layouts import SMALL
+from tests.support.arming import assert_training_unchanged, train_armed
+from tests.support.step_oracle import differences, reduced_norms, sum_of_squares, ulps
 
 SEED = 7
 REL = 1e-6
@@ -119,23 +120,20 @@ class Probe:
             new = te.get_unscaled_state(shard, "master_param")
             state = te.state[shard]
             self.dtypes.update(str(state[k].dtype) for k in ("exp_avg", "exp_avg_sq"))
-            ulp = torch.nextafter(new, torch.tensor(math.inf)) - new
             values = [
-                new.double().square().sum(),
-                grad.square().sum(),
-                (new.double() - old.double()).square().sum(),
-                state["exp_avg"].double().square().sum(),
-                state["exp_avg_sq"].double().square().sum(),
-                ulp.double().square().sum(),
+                sum_of_squares([new]),
+                sum_of_squares([grad]),
+                sum_of_squares(differences([new], [old])),
+                sum_of_squares([state["exp_avg"]]),
+                sum_of_squares([state["exp_avg_sq"]]),
+                sum_of_squares(ulps([new])),
             ]
             for i, v in enumerate(values):
-                self.sums[i] += float(v)
+                self.sums[i] += v
         return self.result
 
     def oracle(self) -> list[float]:
-        total = torch.tensor(self.sums, dtype=torch.float64)
-        torch.distributed.all_reduce(total)
-        return total.sqrt().tolist()
+        return reduced_norms(self.sums)
 
 
 def _measured(case: Case) -> dict:
@@ -198,13 +196,8 @@ def test_precision_aware_step_norms_against_the_snapshots(name: str) -> None:
 def _training(case: Case, armed: bool) -> dict:
     chunks, inner = _build(case)
     optimizer = NormAwareOptimizer(inner, model=chunks)
-    returns = []
-    for step in range(3):
-        if armed and step:  # the first step creates the masters the registry then holds
-            optimizer.measure_next_step(per_param=step % 2 == 1)
-        returns.append(train_step(chunks, optimizer, seed=step))
-        if armed and step:
-            float(optimizer.step_norms().updates.total)
+    # The first step creates the masters the registry then holds.
+    returns = train_armed(chunks, optimizer, armed, first_armed=1)
     leaves = [leaf.optimizer for leaf in inner.chained_optimizers]
     return {
         "returns": returns,
@@ -218,8 +211,4 @@ def test_arming_changes_no_training_bit() -> None:
     case = CASES["dp2-remainders-bf16-moments-clipping"]
     plain = run_ranks(_training, case.world, case, False)
     armed = run_ranks(_training, case.world, case, True)
-    for rank, (a, b) in enumerate(zip(plain, armed)):
-        assert a["returns"] == b["returns"], rank
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
-        assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"])), rank
-        assert a["own"] == b["own"], f"rank {rank}: the step's wrapper was left behind"
+    assert_training_unchanged(plain, armed, "the step's wrapper was left behind")

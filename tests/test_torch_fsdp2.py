@@ -42,6 +42,12 @@ from norm_optim.testing.oracle import (
 )
 from norm_optim._versions import megatron_at_least
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
+from tests.support.fsdp_body import (
+    CountingCommunicator,
+    read_after_move,
+    read_after_steps,
+    run_with_directory,
+)
 from tests.support.reads import MAIN_SCALE, REL, check_read, read_norms
 
 SEED_A, SEED_B = 7, 8
@@ -62,23 +68,6 @@ MEGATRON_LAYOUTS = {
     "dp2-fp32": Layout(2, dataclasses.replace(UNTIED, bf16=False)),
     "moe-dp2": Layout(2, dataclasses.replace(SMALL_MOE, tie_embeddings=False)),
 }
-
-
-class _Counting:
-    """A TorchCommunicator that counts all-reduces (made in the rank: torch.distributed)."""
-
-    @staticmethod
-    def make() -> Any:
-        from norm_optim._comm import TorchCommunicator
-
-        class Counting(TorchCommunicator):
-            all_reduces = 0
-
-            def all_reduce_sum(self, tensor, group, async_op):  # type: ignore[no-untyped-def]
-                self.all_reduces += 1
-                return super().all_reduce_sum(tensor, group, async_op)
-
-        return Counting()
 
 
 def _expected(sums: dict[str, float]) -> dict[str, Any]:
@@ -158,7 +147,7 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
     init_parallel(**layout.parallel())
     chunks = build_torch_fsdp2_model(layout.cfg, seed=3)
     inner = build_optimizer(chunks, bf16=layout.cfg.bf16, lr=1e-2)
-    counting = _Counting.make()
+    counting = CountingCommunicator()
     optimizer = NormAwareOptimizer(inner, model=chunks, comm=counting)
     got: dict[str, Any] = {
         "shapes": global_param_shapes(chunks),
@@ -178,13 +167,9 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["tp_rank"] = ps.get_tensor_model_parallel_rank()
 
     if TRAINS:
-        registry = optimizer.registry
-        for step in range(2):
-            train_step(chunks, optimizer, seed=step)
-        got["trained_changed"] = float(optimizer.param_l2_norm())
-        got["rebuilt_by_steps"] = optimizer.registry is not registry
-        _fill(chunks, inner, SEED_A)
-        got["after_steps"] = read_norms(optimizer, counting)
+        got.update(
+            read_after_steps(optimizer, chunks, lambda: _fill(chunks, inner, SEED_A), counting)
+        )
 
     dcp.save(_main_state_dict(chunks[0]), checkpoint_id=directory)
     _fill(chunks, inner, SEED_B)
@@ -193,20 +178,17 @@ def _megatron_body(layout: Layout, directory: str) -> dict[str, Any]:
     got["after_load"] = read_norms(optimizer, counting)
     got["megatron"] = _megatron_norm(chunks, layout.cfg.bf16)
 
-    registry = optimizer.registry  # new storage behind the wrapper's back: must rebuild
-    for main in _fp32_tensors(chunks).values():
-        main._local_tensor = main._local_tensor.clone()
-    _fill(chunks, inner, SEED_B)
-    got["after_move"] = float(optimizer.param_l2_norm())
-    got["rebuilt_after_move"] = optimizer.registry is not registry
+    def move() -> None:
+        for main in _fp32_tensors(chunks).values():
+            main._local_tensor = main._local_tensor.clone()
+
+    got.update(read_after_move(optimizer, move, lambda: _fill(chunks, inner, SEED_B)))
     return got
 
 
 @functools.lru_cache(maxsize=None)
 def _megatron_run(name: str) -> tuple[dict[str, Any], ...]:
-    layout = MEGATRON_LAYOUTS[name]
-    with tempfile.TemporaryDirectory(prefix="norm_optim_fsdp2_") as directory:
-        return tuple(run_ranks(_megatron_body, layout.world, layout, directory, timeout=TIMEOUT))
+    return run_with_directory(_megatron_body, MEGATRON_LAYOUTS[name], "norm_optim_fsdp2_", TIMEOUT)
 
 
 @pytest.mark.parametrize("name", list(MEGATRON_LAYOUTS))
@@ -322,7 +304,7 @@ def _native_body(layout: NativeLayout, directory: str) -> dict[str, Any]:
     if layout.megatron_state:
         init_parallel()
     model, inner, before_sharding = build_native_fsdp2(layout.mesh, tp=layout.tp)
-    counting = _Counting.make()
+    counting = CountingCommunicator()
     optimizer = NormAwareOptimizer(inner, model=model, comm=counting)
     got: dict[str, Any] = {
         "unsharded": before_sharding,

@@ -14,9 +14,11 @@ import platform
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
+
+from ..units import format_bytes
 
 Row = Mapping[str, Any]
 
@@ -35,15 +37,6 @@ def by_case(rows: Sequence[Row]) -> dict[tuple[str, int], dict[str, Row]]:
     for row in rows:
         cases.setdefault((row["case"], row["world"]), {})[row["method"]] = row
     return cases
-
-
-def format_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def format_table(rows: Sequence[Row]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -98,14 +98,27 @@ def fused_adam_rule(optimizer: Any, leaf: Any) -> Union[UpdateRule, Refused]:
         # (TE's master weights and decoupled grads are read in the precision-aware optimizer,
         # megatron's one use of them: .precision_aware.)
         return Refused(f"{on} on: its step is not read exactly (fp32 use only)")
-    narrow = [
-        f"{flag}={getattr(optimizer, flag)}"
-        for flag in _FUSED_ADAM_FP32
-        if getattr(optimizer, flag, torch.float32) != torch.float32
-    ]
+    narrow = moments_not_in(optimizer, (torch.float32,))
     if narrow:
         return Refused(f"{narrow}: scaled moments, not read (fp32 moments only)")
+    mode = adam_w_mode(optimizer)
+    return mode if isinstance(mode, Refused) else FusedAdamRule(mode)
+
+
+def moments_not_in(optimizer: Any, read: Collection[torch.dtype]) -> list[str]:
+    """TE's moment-dtype flags (``exp_avg_dtype``, ``exp_avg_sq_dtype``; fp32 where absent, as
+    apex's) set to a dtype outside ``read``, as ``flag=dtype``."""
+    return [
+        f"{flag}={getattr(optimizer, flag)}"
+        for flag in _FUSED_ADAM_FP32
+        if getattr(optimizer, flag, torch.float32) not in read
+    ]
+
+
+def adam_w_mode(optimizer: Any) -> Union[bool, Refused]:
+    """A FusedAdam's ``adam_w_mode`` (0 / 1 or a bool: decoupled weight decay or L2), or why
+    another value is not read."""
     mode = getattr(optimizer, "adam_w_mode", None)
     if mode not in (0, 1, False, True):
         return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
-    return FusedAdamRule(bool(mode))
+    return bool(mode)

@@ -44,7 +44,7 @@ from .._kernels import RemainderMaster
 from .._kernels.chunks import default_budget
 from .holdings import local, qualified_name
 from .._patching import attributes_set
-from .fused_adam import _FUSED_ADAM_FP32, TE_FUSED_ADAM, unread_flags
+from .fused_adam import TE_FUSED_ADAM, adam_w_mode, moments_not_in, unread_flags
 from .update_rule import Counted, Refused, Stepped, UpdateRule
 
 
@@ -115,17 +115,11 @@ def master_rule(optimizer: Any) -> Union[UpdateRule, Refused]:
     master = getattr(optimizer, "master_weight_dtype", torch.float32)
     if getattr(optimizer, "master_weights", False) and master != torch.float32:
         return Refused(f"master_weight_dtype={master}: scaled masters, not read (fp32 only)")
-    scaled = [
-        f"{flag}={getattr(optimizer, flag)}"
-        for flag in _FUSED_ADAM_FP32
-        if getattr(optimizer, flag, torch.float32) not in READ_MOMENTS
-    ]
+    scaled = moments_not_in(optimizer, READ_MOMENTS)
     if scaled:
         return Refused(f"{scaled}: scaled moments, not read (fp32 and bf16 moments are)")
-    mode = getattr(optimizer, "adam_w_mode", None)
-    if mode not in (0, 1, False, True):
-        return Refused(f"adam_w_mode={mode!r} is not 0 or 1")
-    return MasterAdamRule(bool(mode))
+    mode = adam_w_mode(optimizer)
+    return mode if isinstance(mode, Refused) else MasterAdamRule(mode)
 
 
 def master_stepped(inner: Any, rule: UpdateRule) -> list[Stepped]:

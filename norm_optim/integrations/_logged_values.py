@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 from .._errors import NormOptimError
-from .._moved import moved_names
+from .._moved import Moved, moved_names
 
 
 class LoggedParamsNorm(float):
@@ -52,13 +52,12 @@ class LoggedParamsNorm(float):
         return " | ".join(parts)
 
 
-def moved_loop_names(module: str) -> Callable[[str], Any]:
+def moved_loop_names(module: str, *, stacklevel: int = 2) -> Callable[[str], Any]:
     """The ``__getattr__`` of each loop integration's module: the public names that were
-    renamed, served with a ``DeprecationWarning`` (the same in every integration)."""
-    return moved_names(
-        module,
-        {"ParamsNormWithBreakdown": ("0.3.0", "LoggedParamsNorm", lambda: LoggedParamsNorm)},
-    )
+    renamed, served with a ``DeprecationWarning`` (the same in every integration;
+    ``stacklevel`` as :func:`~norm_optim._moved.moved_names` takes it)."""
+    renamed = Moved("0.3.0", "0.5.0", f"{module}.LoggedParamsNorm", lambda: LoggedParamsNorm)
+    return moved_names(module, {"ParamsNormWithBreakdown": renamed}, stacklevel=stacklevel)
 
 
 class DeferredParamsNorm:

@@ -69,7 +69,8 @@ __all__ = [
 ]
 
 # Renamed public names (ParamsNormWithBreakdown): served with a DeprecationWarning.
-_moved_names = moved_loop_names(__name__)
+# One frame more than a module's own __getattr__: the one below calls it.
+_moved_names = moved_loop_names(__name__, stacklevel=3)
 
 # training_log parameters the integration reads (megatron-bridge 0.6).
 _TRAINING_LOG_PARAMS = ("params_norm", "config", "global_state")

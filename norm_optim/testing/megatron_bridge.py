@@ -39,6 +39,7 @@ import torch
 
 from norm_optim.testing.layers import with_sequence_parallel_norms
 from norm_optim.testing.logs import recorded_log_lines
+from norm_optim.testing.models import cpu_config_fields
 from norm_optim.testing._internal.torch_fsdp2_patches import install_torch_fsdp2_cpu_patches
 from norm_optim.testing._internal.bridge_patches import (
     transformer_engine_for_lora_layers,
@@ -106,6 +107,18 @@ def cpu_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
     return with_sequence_parallel_norms(spec)
+
+
+# The provider's fused kernels (CUDA or apex only), all off on the CPU.
+_FUSED_KERNELS = (
+    "gradient_accumulation_fusion",
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "cross_entropy_loss_fusion",
+    "persist_layer_norm",
+)
 
 
 def tiny_config(
@@ -193,20 +206,9 @@ def tiny_config(
         sequence_parallel=tp > 1 and bool(num_experts),
         add_bias_linear=not num_experts,
         normalization="LayerNorm",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=True,
+        **cpu_config_fields(),
         transformer_layer_spec=cpu_layer_spec,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        cross_entropy_loss_fusion=False,
-        persist_layer_norm=False,
+        **dict.fromkeys(_FUSED_KERNELS, False),
         share_embeddings_and_output_weights=not torch_fsdp2,
         position_embedding_type="learned_absolute",
         **({"transformer_impl": "local"} if torch_fsdp2 else {}),

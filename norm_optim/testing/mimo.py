@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from norm_optim.testing._internal.mimo_patches import install_mimo_cpu_patches
+from norm_optim.testing.models import cpu_config_fields
 from norm_optim.testing.values import deterministic_values, global_shape
 
 __all__ = [
@@ -139,12 +140,7 @@ def _config(layout: MimoLayout, tp: int, num_layers: int) -> Any:
         hidden_size=layout.hidden_size,
         num_attention_heads=4,
         tensor_model_parallel_size=tp,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
+        **cpu_config_fields(),
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # variable_seq_lengths refuses the default
     )

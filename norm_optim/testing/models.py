@@ -23,6 +23,7 @@ __all__ = [
     "build_chunk",
     "build_model",
     "build_optimizer",
+    "cpu_config_fields",
     "train_step",
     "transformer_config",
     "unwrap_gpt",
@@ -77,13 +78,26 @@ class TinyGPTConfig:
     gated_linear_unit: bool = False
 
 
+def cpu_config_fields(bf16: bool = True) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields every CPU test model sets: no dropout (a step is then
+    the same on every run), weights made on the CPU, bf16 (else fp32) params and pipeline."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+    )
+
+
 def transformer_config(cfg: TinyGPTConfig) -> Any:
     """A megatron ``TransformerConfig`` for ``cfg`` on the current parallel layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
     tp = ps.get_tensor_model_parallel_world_size()
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     moe = {}
     if cfg.num_experts:
@@ -117,9 +131,6 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
             not cfg.num_experts if cfg.add_bias_linear is None else cfg.add_bias_linear
         ),
         normalization=cfg.normalization,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
         perform_initialization=cfg.perform_initialization,
         **({"mtp_num_layers": cfg.mtp_num_layers} if cfg.mtp_num_layers else {}),
         **({"mtp_detach_heads": True} if cfg.mtp_detach_heads else {}),
@@ -129,9 +140,7 @@ def transformer_config(cfg: TinyGPTConfig) -> Any:
             if cfg.gated_linear_unit
             else {}
         ),
-        bf16=cfg.bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
+        **cpu_config_fields(cfg.bf16),
         **moe,
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from norm_optim._megatron import leaves
 from norm_optim.testing.values import deterministic_values, global_values, named_global_parameters
 
 __all__ = [
@@ -33,21 +34,12 @@ def state_name(name: str, key: str) -> str:
     return f"{name}#{key}"
 
 
-def _leaves(optimizer: Any) -> Iterator[Any]:
-    inner = getattr(optimizer, "chained_optimizers", None)
-    if inner is None:
-        yield optimizer
-        return
-    for member in inner:
-        yield from _leaves(member)
-
-
 def held_mains(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, int, Any]]:
     """(model param, the fp32 tensor its optimizer steps for it on this rank, where that tensor
     starts in the flattened param, the torch optimizer) of every param this rank holds a main of,
     read from megatron's optimizer attributes (distributed: its param-to-group map and range map;
     Float16: the fp32-from-float16 groups; FP32 and fp32 params: the param itself)."""
-    for leaf in _leaves(optimizer):
+    for leaf in leaves(optimizer):
         inner = getattr(leaf, "optimizer", leaf)
         if inner is None:  # a stub: nothing held here
             continue
@@ -97,7 +89,7 @@ def init_optimizer_state_(optimizer: Any) -> None:
     """One step of each leaf's torch optimizer over zero grads: its state exists (a step
     count of 1), whatever the layout, without a training step (which some layouts of some
     releases cannot take on CPU). Then fill the weights and the state."""
-    for leaf in _leaves(optimizer):
+    for leaf in leaves(optimizer):
         inner = getattr(leaf, "optimizer", leaf)
         if inner is None:
             continue

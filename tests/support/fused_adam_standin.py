@@ -146,50 +146,55 @@ class ApexFusedAdam(_FusedAdamMath):
         self.master_weights = master_weights
 
 
+def init_te_fused_adam(
+    self: Any,
+    params: Any,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    *,
+    bias_correction: bool = True,
+    adam_w_mode: bool = True,
+    capturable: bool = False,  # megatron-core >= 0.17.1 passes it (CUDA graphs); off here
+    master_weights: bool = False,
+    master_weight_dtype: torch.dtype = torch.float32,
+    exp_avg_dtype: torch.dtype = torch.float32,
+    exp_avg_sq_dtype: torch.dtype = torch.float32,
+    use_decoupled_grad: bool = False,
+    store_param_remainders: bool = False,
+    set_grad_none: Optional[bool] = None,
+) -> None:
+    """TE ``FusedAdam``'s constructor: its flags, defaults and checks, and the attributes it
+    stores them in. Both TE stand-ins (this module's fp32 one, the precision-aware one) take it
+    whole, so that the adapter, which reads the constructor's signature, sees TE's."""
+    if amsgrad:
+        raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+    defaults = dict(
+        lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
+    )
+    torch.optim.Optimizer.__init__(self, params, defaults)
+    self.adam_w_mode = 1 if adam_w_mode else 0
+    self.capturable = capturable
+    self.master_weights = master_weights
+    self.master_weight_dtype = master_weight_dtype
+    self.exp_avg_dtype = exp_avg_dtype
+    self.exp_avg_sq_dtype = exp_avg_sq_dtype
+    self.use_decoupled_grad = use_decoupled_grad
+    self.store_param_remainders = (
+        store_param_remainders and master_weights and master_weight_dtype == torch.float32
+    )
+    self.set_grad_none = set_grad_none
+
+
 class TEFusedAdam(_FusedAdamMath):
     """Stand-in for ``transformer_engine.pytorch.optimizers.FusedAdam`` (needs CUDA): same
     constructor, param-group keys and state; every param of a group gets its zero state at the
     group's step, stepped or not, as TE's ``initialize_state`` does."""
 
     steps_empty_groups = True
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        *,
-        bias_correction: bool = True,
-        adam_w_mode: bool = True,
-        capturable: bool = False,
-        master_weights: bool = False,
-        master_weight_dtype: torch.dtype = torch.float32,
-        exp_avg_dtype: torch.dtype = torch.float32,
-        exp_avg_sq_dtype: torch.dtype = torch.float32,
-        use_decoupled_grad: bool = False,
-        store_param_remainders: bool = False,
-        set_grad_none: Optional[bool] = None,
-    ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        defaults = dict(
-            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
-        )
-        super().__init__(params, defaults)
-        self.adam_w_mode = 1 if adam_w_mode else 0
-        self.capturable = capturable
-        self.master_weights = master_weights
-        self.master_weight_dtype = master_weight_dtype
-        self.exp_avg_dtype = exp_avg_dtype
-        self.exp_avg_sq_dtype = exp_avg_sq_dtype
-        self.use_decoupled_grad = use_decoupled_grad
-        self.store_param_remainders = (
-            store_param_remainders and master_weights and master_weight_dtype == torch.float32
-        )
-        self.set_grad_none = set_grad_none
+    __init__ = init_te_fused_adam
 
     def _unsupported(self) -> list[str]:
         flags = super()._unsupported()

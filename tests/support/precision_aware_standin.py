@@ -37,9 +37,12 @@ layout and its step, written in torch from the sources (TransformerEngine commit
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
+
+from tests.support.fused_adam_standin import init_te_fused_adam
 
 
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,45 +70,12 @@ class PrecisionAwareAdamStandIn(torch.optim.AdamW):
     TE's, not AdamW's.
     """
 
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        *,
-        bias_correction: bool = True,
-        adam_w_mode: bool = True,
-        capturable: bool = False,  # megatron-core >= 0.17.1 passes it (CUDA graphs); off here
-        master_weights: bool = False,
-        master_weight_dtype: torch.dtype = torch.float32,
-        exp_avg_dtype: torch.dtype = torch.float32,
-        exp_avg_sq_dtype: torch.dtype = torch.float32,
-        use_decoupled_grad: bool = False,
-        store_param_remainders: bool = False,
-        set_grad_none: Any = None,
-    ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        for dtype in (exp_avg_dtype, exp_avg_sq_dtype):
+    @functools.wraps(init_te_fused_adam)  # TE's signature, which the adapter reads
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init_te_fused_adam(self, *args, **kwargs)
+        for dtype in (self.exp_avg_dtype, self.exp_avg_sq_dtype):
             if dtype not in (torch.float32, torch.bfloat16):
                 raise NotImplementedError(f"the stand-in does not emulate {dtype} (scaled) moments")
-        defaults = dict(
-            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
-        )
-        torch.optim.Optimizer.__init__(self, params, defaults)
-        self.adam_w_mode = 1 if adam_w_mode else 0
-        self.capturable = capturable
-        self.master_weights = master_weights
-        self.use_decoupled_grad = use_decoupled_grad
-        self.master_weight_dtype = master_weight_dtype
-        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
-        self.store_param_remainders = (
-            store_param_remainders and master_weights and master_weight_dtype == torch.float32
-        )
-        self.set_grad_none = set_grad_none
 
     def __setstate__(self, state: dict) -> None:
         # TE's FusedAdam is a plain Optimizer: no per-param "step" for AdamW's to convert.
