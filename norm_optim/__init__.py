@@ -7,12 +7,12 @@ Wrap the optimizer once; ask for the norm at log intervals::
     norm = optimizer.param_l2_norm()   # float(norm) is the global L2 norm of the weights
 
 What a training script names is here; the types for looking inside (the registry, its
-records, the audit's and the resume proof's reports) are in :mod:`norm_optim.inspect`.
+records, the audit's and the resume proof's reports) are in :mod:`norm_optim.inspection`.
 """
 
 import functools
 
-from . import inspect
+from . import inspection
 from ._comm import Communicator
 from ._errors import (
     NormOptimError,
@@ -49,17 +49,17 @@ __all__ = [
     "verify_resume",
 ]
 
-# Exported here until 0.4.0; served from norm_optim.inspect with a DeprecationWarning.
+# Exported here until 0.4.0; served from norm_optim.inspection with a DeprecationWarning.
 __getattr__ = moved_names(
     __name__,
     {
         name: Moved(
             "0.5.0",
             "0.6.0",
-            f"norm_optim.inspect.{name}",
-            functools.partial(getattr, inspect, name),
+            f"norm_optim.inspection.{name}",
+            functools.partial(getattr, inspection, name),
         )
-        for name in inspect.__all__
+        for name in inspection.__all__
     },
 )
 

@@ -18,7 +18,7 @@ class Moved:
     Attributes:
         since: the release that moved (or renamed) it.
         until: the release in which the old name stops working.
-        replacement: the spelling to use instead, in full (``norm_optim.inspect.ParamRecord``).
+        replacement: the spelling to use instead, in full (``norm_optim.inspection.ParamRecord``).
         get: returns the object the name stands for now (called at each access, so that the
             module serving it need not import the replacement's module first).
     """

@@ -36,10 +36,10 @@ class ParamRecord:
             :class:`~norm_optim._kernels.RemainderMaster` (an fp32 master shard encoded as a
             16-bit param and its int16 remainder: ``dtype``, ``shape`` and ``numel()`` are those
             of the fp32 master), or None.
-        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.inspect.Source`).
+        source: how ``tensor`` relates to ``param`` (:class:`~norm_optim.inspection.Source`).
         counted: whether this rank adds ``tensor``'s squares to the global norm (then the
             record is a :class:`CountedRecord`, whose ``tensor`` is never None).
-        reason: why it is not counted (:class:`~norm_optim.inspect.NotCounted`), or None.
+        reason: why it is not counted (:class:`~norm_optim.inspection.NotCounted`), or None.
         copies: which groups hold copies of what this rank holds (the counting rule's input;
             the audit compares those copies). ``expert`` and ``tp_split`` read it.
         split_from: where ``tp_split`` was taken from

@@ -1,4 +1,4 @@
-"""The vocabularies of a :class:`~norm_optim.inspect.ParamRecord`, one definition each.
+"""The vocabularies of a :class:`~norm_optim.inspection.ParamRecord`, one definition each.
 
 All are ``str`` enums: they compare equal to, and print as, the words the summary and
 ``docs/counting.md`` use (``main-shard``, ``tp-duplicate``, ``declaration``...).

@@ -1,7 +1,7 @@
 """``NormAwareOptimizer``: a Megatron-core optimizer that also knows its weights' global norm.
 
 The wrapper holds no layout logic: it delegates everything to the wrapped optimizer, keeps a
-:class:`~norm_optim.inspect.ParamRegistry` up to date, and asks a
+:class:`~norm_optim.inspection.ParamRegistry` up to date, and asks a
 :class:`~norm_optim._norm.NormReducer` for the norm.
 """
 

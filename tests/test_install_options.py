@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from norm_optim import AuditError, WatchConfig
-from norm_optim.inspect import AuditReport, Finding, FindingKind
+from norm_optim.inspection import AuditReport, Finding, FindingKind
 from norm_optim._norm import ParamNorms
 from norm_optim._watch import Watch
 from norm_optim.integrations import megatron_bridge, megatron_lm

@@ -37,7 +37,7 @@ import_bridge()  # first (its import-time guards), and once in the parent: forke
 from megatron.bridge.training.callbacks import Callback, CallbackContext  # noqa: E402
 
 from norm_optim import NormAwareOptimizer  # noqa: E402
-from norm_optim.inspect import TorchCommunicator  # noqa: E402
+from norm_optim.inspection import TorchCommunicator  # noqa: E402
 from norm_optim.integrations import megatron_bridge  # noqa: E402
 from norm_optim.testing.megatron_bridge import RankOutput, run_pretrain, tiny_config  # noqa: E402
 from norm_optim.testing.oracle import (  # noqa: E402

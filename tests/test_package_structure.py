@@ -173,18 +173,18 @@ def test_the_version_is_written_once() -> None:
 
 def test_the_top_level_holds_what_a_training_script_names() -> None:
     """``norm_optim.__all__`` stays small (what a script names); the types for looking inside
-    are ``norm_optim.inspect``'s, exported once."""
+    are ``norm_optim.inspection``'s, exported once."""
     import norm_optim
-    import norm_optim.inspect
+    import norm_optim.inspection
 
     assert len(norm_optim.__all__) <= 16
-    assert set(norm_optim.__all__).isdisjoint(norm_optim.inspect.__all__)
+    assert set(norm_optim.__all__).isdisjoint(norm_optim.inspection.__all__)
     assert {"NormAwareOptimizer", "verify_resume", "StateFingerprint", "Communicator"} <= set(
         norm_optim.__all__
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the current names do not warn
-        for module in (norm_optim, norm_optim.inspect):
+        for module in (norm_optim, norm_optim.inspection):
             for name in module.__all__:
                 getattr(module, name)
 
@@ -195,11 +195,11 @@ def test_the_top_level_holds_what_a_training_script_names() -> None:
 )
 def test_an_inspection_type_at_the_top_level_warns_and_works(name: str) -> None:
     import norm_optim
-    import norm_optim.inspect
+    import norm_optim.inspection
 
-    with pytest.warns(DeprecationWarning, match=f"use norm_optim.inspect.{name}") as caught:
+    with pytest.warns(DeprecationWarning, match=f"use norm_optim.inspection.{name}") as caught:
         old = getattr(norm_optim, name)
-    assert old is getattr(norm_optim.inspect, name)
+    assert old is getattr(norm_optim.inspection, name)
     assert caught[0].filename == __file__  # the warning names the line that reads the name
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         norm_optim.NoSuchName  # noqa: B018

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
-from norm_optim.inspect import TorchCommunicator
+from norm_optim.inspection import TorchCommunicator
 from norm_optim._versions import megatron_at_least
 from norm_optim.integrations._scalars import step_scalars
 from norm_optim.testing import init_parallel, run_ranks

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from norm_optim import NormAwareOptimizer, WatchConfig
-from norm_optim.inspect import TorchCommunicator
+from norm_optim.inspection import TorchCommunicator
 from norm_optim._watch import RollingStats
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step

@@ -9,7 +9,7 @@ it. Non-colocated modules live on disjoint ranks; colocated ones share ranks wit
 TP / DP.
 
 So the coordinates that decide who counts an element are per module: each module's holdings
-carry the :class:`~norm_optim.inspect.RankCoords` read from its own groups
+carry the :class:`~norm_optim.inspection.RankCoords` read from its own groups
 (:attr:`Holding.coords`), frozen params the coordinates of the module that owns them
 (:func:`mimo_param_coords`), and :func:`~norm_optim._ownership.why_not_counted` stays the one
 rule. The reduction is still one all-reduce, over a group that must hold every module's ranks.

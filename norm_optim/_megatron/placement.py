@@ -12,7 +12,7 @@ megatron and torch state about sharding, as the counting rule's facts do:
   places that, as for any param);
 - megatron's markers where a param has no declaration (``partition_dim`` and the TP rank);
 - the distributed optimizer's shard range: where the held shard starts in the flattened
-  TP-local param (:attr:`~norm_optim.inspect.ParamRecord.offset`).
+  TP-local param (:attr:`~norm_optim.inspection.ParamRecord.offset`).
 """
 
 from __future__ import annotations

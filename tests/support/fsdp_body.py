@@ -7,7 +7,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any, Callable
 
-from norm_optim.inspect import TorchCommunicator
+from norm_optim.inspection import TorchCommunicator
 from norm_optim.testing import run_ranks
 from norm_optim.testing.models import train_step
 from tests.support.reads import read_norms
