@@ -206,15 +206,15 @@ def test_an_inspection_type_at_the_top_level_warns_and_works(name: str) -> None:
 
 
 @pytest.mark.parametrize("loop", ["megatron_lm", "megatron_bridge"])
-def test_a_renamed_integration_name_warns_and_works(loop: str) -> None:
+def test_a_name_removed_in_0_5_is_gone(loop: str) -> None:
+    """``ParamsNormWithBreakdown`` (renamed ``LoggedParamsNorm`` in 0.3.0) went in 0.5.0, as
+    its warning said; an unknown name is an ``AttributeError`` that names it."""
     module = importlib.import_module(f"norm_optim.integrations.{loop}")
-    with pytest.warns(DeprecationWarning, match="LoggedParamsNorm") as caught:
-        old = module.ParamsNormWithBreakdown
-    assert caught[0].filename == __file__
-    assert old is module.LoggedParamsNorm
-    assert f"{old(5.0, 3.0, 4.0):.1f}" == "5.0 | params norm dense: 3.0 | params norm expert: 4.0"
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
-        module.NoSuchName  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'ParamsNormWithBreakdown'"):
+        module.ParamsNormWithBreakdown  # noqa: B018
+    assert f"{module.LoggedParamsNorm(5.0, 3.0, 4.0):.1f}" == (
+        "5.0 | params norm dense: 3.0 | params norm expert: 4.0"
+    )
 
 
 def test_both_integrations_export_the_same_shared_names() -> None:

@@ -5,10 +5,9 @@ update-to-weight ratio)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .._errors import NormOptimError
-from .._moved import Moved, moved_names
 
 
 class LoggedParamsNorm(float):
@@ -50,14 +49,6 @@ class LoggedParamsNorm(float):
                 + ", ".join(f"{name} x{ratio:.4f}" for name, ratio in self.growing)
             )
         return " | ".join(parts)
-
-
-def moved_loop_names(module: str, *, stacklevel: int = 2) -> Callable[[str], Any]:
-    """The ``__getattr__`` of each loop integration's module: the public names that were
-    renamed, served with a ``DeprecationWarning`` (the same in every integration;
-    ``stacklevel`` as :func:`~norm_optim._moved.moved_names` takes it)."""
-    renamed = Moved("0.3.0", "0.5.0", f"{module}.LoggedParamsNorm", lambda: LoggedParamsNorm)
-    return moved_names(module, {"ParamsNormWithBreakdown": renamed}, stacklevel=stacklevel)
 
 
 class DeferredParamsNorm:

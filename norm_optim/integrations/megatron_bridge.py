@@ -53,7 +53,7 @@ from .._errors import NormOptimError
 from .._versions import distribution_version
 from .._wrapper import NormAwareOptimizer
 from ._guards import missing_hooks
-from ._logged_values import LoggedParamsNorm, moved_loop_names
+from ._logged_values import LoggedParamsNorm
 from ._loop import LoopIntegration, refuse_second_install
 from ._options import InstallOptions
 
@@ -67,10 +67,6 @@ __all__ = [
     "log_reads_params_norm",
     "norm_aware_optimizer_config",
 ]
-
-# Renamed public names (ParamsNormWithBreakdown): served with a DeprecationWarning.
-# One frame more than a module's own __getattr__: the one below calls it.
-_moved_names = moved_loop_names(__name__, stacklevel=3)
 
 # training_log parameters the integration reads (megatron-bridge 0.6).
 _TRAINING_LOG_PARAMS = ("params_norm", "config", "global_state")
@@ -204,7 +200,7 @@ def __getattr__(name: str) -> Any:
     # does not import Bridge; pickle and Bridge's YAML ``_target_`` find it by this path.
     if name == "NormAwareOptimizerConfig":
         return _config_class()
-    return _moved_names(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def norm_aware_optimizer_config(config: Any, **wrapper_options: Any) -> Any:

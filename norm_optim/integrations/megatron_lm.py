@@ -36,7 +36,7 @@ from .._errors import NormOptimError
 from .._versions import megatron_core_version_string
 from .._wrapper import NormAwareOptimizer
 from ._guards import missing_hooks
-from ._logged_values import LoggedParamsNorm, moved_loop_names
+from ._logged_values import LoggedParamsNorm
 from ._loop import LoopIntegration, refuse_second_install
 from ._options import InstallOptions
 
@@ -48,9 +48,6 @@ __all__ = [
     "install",
     "log_reads_params_norm",
 ]
-
-# Renamed public names (ParamsNormWithBreakdown): served with a DeprecationWarning.
-__getattr__ = moved_loop_names(__name__)
 
 # The names patched in megatron/training/training.py, in the order they are applied.
 _PATCHED = ("setup_model_and_optimizer", "calc_params_l2_norm", "training_log")
