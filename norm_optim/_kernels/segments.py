@@ -15,7 +15,7 @@ whole-tensor norm is not, see :mod:`.rows`), squared and added into the slots in
   one row-norm op for all of them; a stretch that boundaries cross in most rows (segments of a
   few hundred elements) is read in place as fine rows instead, with no copy;
 * the fine rows a boundary crosses are copied once per segment piece they hold (one
-  ``index_select`` per source of fine rows), zeroed outside that piece and normed together;
+  ``index_select`` per source of fine rows), masked to that piece and normed together;
 * one ``index_add`` sends every row's float64 square to its segment's slot.
 
 The same ops run on an accelerator: a fixed handful of launches per call, where the fused
@@ -257,18 +257,16 @@ class SegmentedSquares:
                     n = len(fine.pieces)
                     self._piece_reads.append((view, which, into[at : at + n]))
                     at += n
-            # Where each piece's fine row is another segment's: zeroed, not multiplied by 0, so
-            # that a NaN or inf stays in its own slot.
-            outside = torch.ones(len(pieces), FINE, dtype=torch.bool)
+            mask = torch.zeros(len(pieces), FINE)
             for k, (_, (a, b), _) in enumerate(pieces):
-                outside[k, a:b] = False
-            outside = to_device(outside.view(-1).tolist(), torch.bool, device).view(-1, FINE)
-            self._pieces = (into, outside, self._norms[n_reads + n_copied :])
+                mask[k, a:b] = 1
+            mask = to_device(mask.view(-1).tolist(), torch.float32, device).view(-1, FINE)
+            self._pieces = (into, mask, self._norms[n_reads + n_copied :])
 
     @property
     def kept_bytes(self) -> int:
         """The memory the plan keeps between calls (norms, slots, copied rows, pieces)."""
-        pieces = 0 if self._pieces is None else self._pieces[0].numel() * 5
+        pieces = 0 if self._pieces is None else self._pieces[0].numel() * 8
         return self._norms.numel() * 12 + self._copied.numel() * 4 + pieces
 
     def __call__(self) -> Tensor:
@@ -284,7 +282,7 @@ class SegmentedSquares:
         for rows, which, into in self._piece_reads:
             torch.index_select(rows, 0, which, out=into)
         if self._pieces is not None:
-            into, outside, place = self._pieces
-            torch.linalg.vector_norm(into.masked_fill_(outside, 0), dim=1, out=place)
+            into, mask, place = self._pieces
+            torch.linalg.vector_norm(into.mul_(mask), dim=1, out=place)
         squares = self._norms.double().square_()
         return torch.index_add(self._zeros, 0, self._slots, squares)
