@@ -282,8 +282,8 @@ def test_packed_plans_ops_do_not_grow_with_the_tensor_count():
 
 def test_packed_plans_read_views_of_one_storage_in_place_and_see_updates():
     """fp32 views of one flat buffer (a DDP param buffer) are read in place: nothing copied,
-    in-place updates seen, a NaN in one view in its slot only; overlapping views, bf16 and
-    large tensors of their own take the other paths, exactly."""
+    in-place updates seen, a NaN inside one view's own rows in its slot only; overlapping
+    views, bf16 and large tensors of their own take the other paths, exactly."""
     g = torch.Generator().manual_seed(1)
     flat = _bf16_valued(300_000, g)
     views = [flat[:100], flat[100:5100], flat[6000:206000], flat[206000:206001]]

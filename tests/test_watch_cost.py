@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.step_norms import aten_ops
+from benchmarks.step_norms import NEVER_CLIPS, aten_ops
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
@@ -26,10 +26,6 @@ from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 MAX_EXTRA_OPS = 32
 MAX_PER_PARAM_OPS = 48
-# Megatron clips the grads in place, and the step is re-run on the same grads: with the default
-# clip_grad (1.0) the norm hovers at the threshold and some steps scale every grad (ops per
-# tensor) and some do not. Far above the norm, every step computes it and none scales.
-NEVER_CLIPS = 1e6
 # Hidden 16 with biases: 12 tensors per layer and 4 more (embeddings, final norm).
 MANY_SMALL = TinyGPTConfig(
     hidden_size=16, num_layers=8, num_attention_heads=2, vocab_size=32, seq_length=8
