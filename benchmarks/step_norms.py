@@ -46,7 +46,17 @@ TENSOR_CASES = {
     "layers-833": dict(_SMALL, num_layers=833),
     "moe-8x64": dict(_SMALL, num_layers=8, num_experts=64, moe_ffn_hidden_size=16),
     "moe-8x640": dict(_SMALL, num_layers=8, num_experts=640, moe_ffn_hidden_size=16),
+    # 10,000 tensors of ~20 elements (hidden 4): what the watch's kernels read is ~0 there, so
+    # its host time is the per-call work that must not grow with the tensor count.
+    "layers-833-h4": dict(
+        _SMALL, hidden_size=4, num_attention_heads=1, ffn_hidden_size=16, num_layers=833
+    ),
 }
+# Megatron clips the grads in place and these cases re-run the step on the same grads: at the
+# default clip_grad the norm then hovers at the threshold, and some steps scale every grad (two
+# ops per tensor) and some do not. Far above the norm every step computes it and none scales,
+# so the plain step's op count is the same at every step.
+NEVER_CLIPS = 1e6
 QUICK_TENSORS = ("layers-8",)
 REPEATS = 5
 TENSOR_REPEATS = 21  # a watched step's extra host time is a small difference: more pairs
@@ -240,18 +250,36 @@ def _watched(optimizer: Any) -> tuple[float, float]:
     )
 
 
+class _Idle:
+    """A Megatron optimizer's ``step()`` with nothing in it (``prepare_grads`` then
+    ``step_with_ready_grads``): a watched step of it costs only what the watch adds."""
+
+    def prepare_grads(self) -> bool:
+        return False  # found no inf
+
+    def step_with_ready_grads(self) -> bool:
+        return True
+
+    def step(self) -> bool:
+        return self.prepare_grads() or self.step_with_ready_grads()
+
+
 def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     """What grows with the number of param tensors: the aten ops a watched step, an armed
     per-param step and ``param_l2_norms(per_param=True)`` add (counted), and the host time of
-    a watched step above a plain one (the median of adjacent pairs; the watch is switched off
-    and on between them, its reads kept)."""
+    a watched step above a plain one: the median of adjacent pairs (the watch is switched off
+    and on between them, its reads kept), its read alone, and everything the watched step
+    adds (the wrapper's checks, the hooks, the read, the veto) timed on an idle step."""
     from norm_optim import NormAwareOptimizer
+    from norm_optim._step import observed_step
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 
     init_parallel()
     chunks = build_model(TinyGPTConfig(**fields), use_distributed_optimizer=True)
-    optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+    start = time.perf_counter()
+    optimizer = NormAwareOptimizer(build_optimizer(chunks, clip_grad=NEVER_CLIPS), model=chunks)
+    wrap_s = time.perf_counter() - start
     train_step(chunks, optimizer)
     plain = optimizer.step
 
@@ -282,8 +310,14 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     # The watch's own read (sum, all-reduce, judge), timed alone: the paired difference above is
     # a small difference of two large, noisy times.
     assert state.watched_grads is not None
-    read = state.watched_grads.grads_ready
-    read_s = min(_median(read) for _ in range(3))
+    watched = state.watched_grads
+    read_s = min(_median(watched.grads_ready) for _ in range(3))
+    idle = _Idle()
+
+    def watch_only() -> None:  # NormAwareOptimizer.step's watched path, on an idle step
+        observed_step(idle, None, optimizer._watched_grads(optimizer._current_reducer()))
+
+    watch_host_s = min(_median(watch_only) for _ in range(3))
     armed_s, armed_ratio = _paired(unwatched, armed)
     assert watch.poll() == (), "a clean benchmark run must not alarm"
     tensors = len(optimizer.registry.counted)
@@ -299,6 +333,8 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
         "watched_minus_plain_s": statistics.median(w - p for w, p in pairs),
         "watched_over_plain": statistics.median(w / p for w, p in pairs),
         "watch_read_s": read_s,
+        "watch_host_s": watch_host_s,
+        "wrap_s": wrap_s,
         "armed_per_param_step_s": armed_s,
         "armed_per_param_over_plain": armed_ratio,
         "param_l2_norms_per_param_s": _median(per_param),
@@ -318,7 +354,8 @@ def _tensor_rows(quick: bool) -> list[dict[str, Any]]:
             f"{name}: {row['tensors']} tensors, plain {row['plain_step_s'] * 1e3:.3g} ms "
             f"({row['aten_ops_plain_step']} ops); watched +{row['extra_aten_ops_watched_step']} "
             f"ops, +{row['watched_minus_plain_s'] * 1e3:.2f} ms ({row['watched_over_plain']:.2f}x; "
-            f"its read alone {row['watch_read_s'] * 1e3:.2f} ms)"
+            f"its read alone {row['watch_read_s'] * 1e3:.2f} ms, all it adds on an idle step "
+            f"{row['watch_host_s'] * 1e3:.2f} ms)"
             f"; armed per-param +{row['extra_aten_ops_per_tensor_armed_per_param']:.2f} ops per "
             f"tensor ({row['armed_per_param_over_plain']:.2f}x); param_l2_norms(per_param) "
             f"{row['aten_ops_param_l2_norms_per_param']} ops, "

@@ -274,6 +274,7 @@ class NormReducer:
             num_slots=2,
             out_device=self.device,
             indices=self.indices,
+            packed=True,
         )
         if warm_up:
             PendingNorms(self._split_plan(), Done(), None).wait()
@@ -399,6 +400,7 @@ class NormReducer:
                 num_slots=EXPERT + 1 + len(self.names),
                 out_device=self.device,
                 indices=self.indices,
+                packed=True,
             )
             self._kinds = torch.tensor(  # long even when empty (a model with no params)
                 [EXPERT if expert else DENSE for _, expert in self.names],

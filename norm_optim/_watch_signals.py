@@ -30,16 +30,29 @@ class RollingStats:
     A judgement is the same dozen ops for any ``n``: the value, mean, σ and excess are the rows
     of one matrix (:attr:`columns`) written in place, and every view a judgement reads is made
     here, once. They are overwritten by the next judgement: keep a copy of what must outlive it.
+
+    Its cost is O(n), not O(window × n): the mean and σ come from the window's running sums of
+    the values and their squares (the value leaving the window subtracted, the new one added),
+    summed again from the window every ``window`` values so that rounding cannot accumulate.
+    From power sums σ carries a relative error of up to ~1e-16 · window · (mean/σ)² (float64):
+    4e-7 measured for σ = 1e-4 · mean over 8 values, ~1e-10 at the default σ floor
+    (:attr:`~norm_optim.WatchConfig.min_rel_std`, 1 % of the mean) over 128.
     """
 
     def __init__(self, n: int, config: WatchConfig, device: torch.device) -> None:
         self.config = config
         self._values = torch.zeros((config.window, n), dtype=torch.float64, device=device)
         self._rows = self._values.unbind(0)
-        self._filled = [self._values[:k] for k in range(config.window + 1)]
+        # Σ x and Σ x² over the window's rows (rows not filled yet are zeros), and what divides
+        # them into the mean and the second moment once f rows are filled: [[f], [f - 1]].
+        self._sums = torch.zeros((2, n), dtype=torch.float64, device=device)
+        self._sum, self._sum_sq = self._sums.unbind(0)
+        counts = [[[f], [max(f - 1, 1)]] for f in range(config.window + 1)]
+        self._divisors = to_device(counts, torch.float64, device).unbind(0)
         self.columns = torch.zeros((4, n), dtype=torch.float64, device=device)
         """Rows: the value judged (:attr:`x`), the window's mean and σ before it, its excess."""
         self.x, self.mean, self.std, self.excess = self.columns.unbind(0)
+        self._moments = self.columns[1:3]  # the mean and σ rows, written by one division
         self.non_finite = torch.zeros(n, dtype=torch.bool, device=device)
         """Where the last value judged was not finite (a new tensor at each judgement)."""
         self._seen = 0  # values pushed so far: a host count, the same on every rank
@@ -59,9 +72,11 @@ class RollingStats:
             self.x.copy_(x)
         filled = min(self._seen, self.config.window)
         if filled >= 2:
-            var, mean = torch.var_mean(self._filled[filled], dim=0, correction=1)
-            torch.sqrt(var, out=self.std)
-            self.mean.copy_(mean)
+            # mean = Σx / f; σ² = Σx² / (f - 1) - mean² · f / (f - 1); clamped: rounding may
+            # leave a constant signal's σ² a hair below 0.
+            torch.div(self._sums, self._divisors[filled], out=self._moments)
+            self.std.addcmul_(self.mean, self.mean, value=-filled / (filled - 1))
+            self.std.clamp_min_(0).sqrt_()
         elif filled:
             self.mean.copy_(self._rows[0])
             self.std.zero_()
@@ -76,10 +91,23 @@ class RollingStats:
         else:
             self.excess.zero_()
         self.excess.masked_fill_(non_finite, math.inf)
-        torch.where(non_finite, self.mean, self.x, out=self._rows[self._seen % self.config.window])
+        row = self._rows[self._seen % self.config.window]
+        self._sum.sub_(row)  # the value leaving the window (zeros while it fills)
+        self._sum_sq.addcmul_(row, row, value=-1)
+        torch.where(non_finite, self.mean, self.x, out=row)
+        self._sum.add_(row)
+        self._sum_sq.addcmul_(row, row)
         self._seen += 1
+        if self._seen % self.config.window == 0:
+            self._sum_again()
         self.non_finite = non_finite
         return self.excess, self.mean, self.std
+
+    def _sum_again(self) -> None:
+        """The running sums from the window's rows (once per ``window`` values, and after a
+        restore): O(window × n), so O(n) a value."""
+        torch.sum(self._values, dim=0, out=self._sum)
+        torch.sum(self._values * self._values, dim=0, out=self._sum_sq)
 
     def state(self, names: Sequence[str]) -> dict[str, Any]:
         """What a checkpoint keeps of it: the signals' names, the count seen and the window's
@@ -105,6 +133,7 @@ class RollingStats:
         if filled:
             self._values[rows] = values.to(self._values.device, self._values.dtype)
         self._seen = seen
+        self._sum_again()
         return True
 
 

@@ -176,6 +176,8 @@ def test_step_norms_benchmark_by_tensor_count(tmp_path: pathlib.Path) -> None:
         "watched_minus_plain_s",
         "watched_over_plain",
         "watch_read_s",
+        "watch_host_s",
+        "wrap_s",
         "armed_per_param_step_s",
         "armed_per_param_over_plain",
         "param_l2_norms_per_param_s",

@@ -254,3 +254,49 @@ def test_plans_rebuilt_over_one_layout_share_their_index_tensors():
     for n in range(4):  # four newer lists push it out
         indices([n], torch.device("cpu"))
     assert len(indices) == 4 and indices([1, 2, 3], torch.device("cpu")) is not values
+
+
+def _many_small(count: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """``count`` fp32 tensors of a hidden-16 GPT layer's sizes (12 a layer), bf16-valued."""
+    sizes = [768, 48, 256, 16, 1024, 64, 1024, 16, 16, 16, 16, 16]
+    return [_bf16_valued(sizes[i % len(sizes)], generator) for i in range(count)]
+
+
+def test_packed_plans_ops_do_not_grow_with_the_tensor_count():
+    """A packed plan (the weights') over 100, 1,000 and 10,000 small tensors: exact per slot,
+    and the same handful of ops, and a few more for each further pack of 2 Mi elements (10,000
+    of these tensors fill two), where a plain plan's grow with the tensors."""
+    from benchmarks.step_norms import aten_ops
+
+    g = torch.Generator().manual_seed(0)
+    ops = {}
+    for count in (100, 1000, 10000):
+        tensors = _many_small(count, g)
+        slots = [i % 97 for i in range(count)]
+        plan = SumOfSquaresPlan(tensors, slots, 97, packed=True)
+        _assert_close(plan(), _reference(tensors, slots, 97), rtol=1e-6)
+        ops[count] = (aten_ops(plan), aten_ops(SumOfSquaresPlan(tensors, slots, 97)))
+    assert ops[100][0] == ops[1000][0] and ops[10000][0] <= ops[100][0] + 10, ops
+    assert ops[10000][1] > 5 * ops[10000][0], ops
+
+
+def test_packed_plans_read_views_of_one_storage_in_place_and_see_updates():
+    """fp32 views of one flat buffer (a DDP param buffer) are read in place: nothing copied,
+    in-place updates seen, a NaN inside one view's own rows in its slot only; overlapping
+    views, bf16 and large tensors of their own take the other paths, exactly."""
+    g = torch.Generator().manual_seed(1)
+    flat = _bf16_valued(300_000, g)
+    views = [flat[:100], flat[100:5100], flat[6000:206000], flat[206000:206001]]
+    others = [_bf16_valued(40_000, g), _bf16_valued(300, g).bfloat16(), flat[:50]]
+    tensors = views + others
+    slots = [0, 1, 2, 3, 4, 5, 6]
+    plan = SumOfSquaresPlan(tensors, slots, 7, packed=True)
+    _assert_close(plan(), _reference(tensors, slots, 7), rtol=1e-6)
+    # The overlapping view (flat[:50]) sends its storage to the copied and row paths.
+    in_place = SumOfSquaresPlan(views, [0, 1, 2, 3], 4, packed=True)
+    assert in_place.kept_bytes < 200_000 * 4 // 10  # no copy of the views
+    flat.mul_(2.0)
+    _assert_close(in_place(), _reference(views, [0, 1, 2, 3], 4), rtol=1e-6)
+    flat[150] = float("nan")
+    got = in_place()
+    assert got[1].isnan() and not got[[0, 2, 3]].isnan().any(), got

@@ -1,11 +1,13 @@
-"""A watched step's cost does not grow with the number of param tensors, and its bound read of
-the grads is exact.
+"""A watched step's cost, and per-param weight norms', do not grow with the number of param
+tensors, and the bound read of the grads is exact.
 
 The watch runs on every step, so what it adds to a step is counted in aten ops (torch's
 dispatch mode: counts are deterministic, times are not) on the real megatron-core optimizers,
 for the tiny GPT at two depths, 100 and 1,000 param tensors: the extra ops are at most
-:data:`MAX_EXTRA_OPS` at both, and differ by at most the pair of ops of one more read path. The bound read (views of Megatron's DDP grad buffers) is
-compared, slot by slot, with the per-tensor sums of the same grads.
+:data:`MAX_EXTRA_OPS` at both, and differ by at most the pair of ops of one more read path;
+``param_l2_norms(per_param=True)`` makes the same number of ops at both. The bound read (views
+of Megatron's DDP grad buffers) is compared, slot by slot, with the per-tensor sums of the same
+grads.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.step_norms import aten_ops
+from benchmarks.step_norms import NEVER_CLIPS, aten_ops
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 MAX_EXTRA_OPS = 32
+MAX_PER_PARAM_OPS = 48
 # Hidden 16 with biases: 12 tensors per layer and 4 more (embeddings, final norm).
 MANY_SMALL = TinyGPTConfig(
     hidden_size=16, num_layers=8, num_attention_heads=2, vocab_size=32, seq_length=8
@@ -37,17 +40,25 @@ def _extra_ops(dist_opt: bool) -> dict[int, dict[str, int]]:
         chunks = build_model(
             dataclasses.replace(MANY_SMALL, num_layers=layers), use_distributed_optimizer=dist_opt
         )
-        optimizer = NormAwareOptimizer(build_optimizer(chunks), model=chunks)
+        optimizer = NormAwareOptimizer(build_optimizer(chunks, clip_grad=NEVER_CLIPS), model=chunks)
         train_step(chunks, optimizer)  # the step is then re-run on the same grads
         assert len(optimizer.registry.counted) == tensors
         for _ in range(2):  # past the first steps' one-time work (Adam's state, lazy imports)
             optimizer.step()
         plain = aten_ops(optimizer.step)
+        per_param = lambda: float(optimizer.param_l2_norms(per_param=True).total)  # noqa: E731
+        per_param()  # the names exchange
+        norms_ops = aten_ops(per_param)
         optimizer.watch()
         optimizer.step()  # the first watched step binds its reads
         watched = aten_ops(optimizer.step)
         loose = optimizer._state.watched_grads.grads.loose
-        out[tensors] = {"plain": plain, "extra": watched - plain, "loose": loose}
+        out[tensors] = {
+            "plain": plain,
+            "extra": watched - plain,
+            "loose": loose,
+            "per_param": norms_ops,
+        }
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
@@ -57,6 +68,9 @@ def _extra_ops(dist_opt: bool) -> dict[int, dict[str, int]]:
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distopt", "fp16opt"])
 def test_a_watched_step_adds_the_same_ops_at_100_and_1000_tensors(dist_opt: bool) -> None:
     (seen,) = run_ranks(_extra_ops, 1, dist_opt, timeout=600)
+    # Per-param weight norms: their small fp32 mains read as one pack (one copy, one segmented
+    # read), whatever their number.
+    assert seen[1000]["per_param"] == seen[100]["per_param"] <= MAX_PER_PARAM_OPS, seen
     extra = {n: s["extra"] for n, s in seen.items()}
     assert max(extra.values()) <= MAX_EXTRA_OPS, seen
     # What may differ is which of the read's paths a layout takes (a copy of the rows a

@@ -43,13 +43,17 @@ def _group_key(t: Summand) -> _GroupKey:
 
 
 def _build_group(
-    key: _GroupKey, tensors: list[Summand], slots: list[int], indices: DeviceIndices
+    key: _GroupKey,
+    tensors: list[Summand],
+    slots: list[int],
+    indices: DeviceIndices,
+    packed_slots: int | None,
 ) -> RowNormGroup | FusedGroup:
     device, _, kind = key
     if kind is FusedGroup:
         # _group_key sends every RemainderMaster to row norms: a fused group's are all tensors.
         return FusedGroup(cast(list[Tensor], tensors), slots, device, indices)
-    return RowNormGroup(tensors, slots, device, indices)
+    return RowNormGroup(tensors, slots, device, indices, packed_slots)
 
 
 class SumOfSquaresPlan:
@@ -73,6 +77,11 @@ class SumOfSquaresPlan:
         indices: where the plan's index tensors are kept; give the same one to plans rebuilt
             over the same layout (a step's grads) so that they copy nothing to the device again
             (:class:`~norm_optim._kernels.indices.DeviceIndices`). Default: the plan's own.
+        packed: for a plan built once and called often (the weights'): CPU tensors that are
+            small or views of one storage are laid out over flat buffers
+            (:class:`~norm_optim._kernels.packed.PackedSquares`), so that a call's ops do not
+            grow with their number; the build then costs O(elements) host work, and the plan
+            keeps a pack buffer of at most 8 MiB (:attr:`kept_bytes`).
 
     Example::
 
@@ -87,6 +96,7 @@ class SumOfSquaresPlan:
         num_slots: int,
         out_device: torch.device | None = None,
         indices: DeviceIndices | None = None,
+        packed: bool = False,
     ) -> None:
         tensors, slots = list(tensors), [int(s) for s in slots]
         if len(tensors) != len(slots):
@@ -116,7 +126,9 @@ class SumOfSquaresPlan:
                 bucket[1].append(slot)
         indices = DeviceIndices() if indices is None else indices
         self._groups: dict[_GroupKey, RowNormGroup | FusedGroup] = {
-            key: _build_group(key, group_tensors, group_slots, indices)
+            key: _build_group(
+                key, group_tensors, group_slots, indices, num_slots if packed else None
+            )
             for key, (group_tensors, group_slots) in buckets.items()
         }
 
@@ -150,6 +162,12 @@ class SumOfSquaresPlan:
         row of zeros). For inspection: the plan copies nothing at construction."""
         for group in self._groups.values():
             yield from group.views()
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the plan keeps between calls beyond its views and index tensors (``packed``:
+        the pack buffers and their reads' norms)."""
+        return sum(getattr(group, "kept_bytes", 0) for group in self._groups.values())
 
     @property
     def scratch_bytes(self) -> int:

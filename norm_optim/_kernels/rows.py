@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Optional, cast
 
 import torch
 from torch import Tensor
 
 from .indices import DeviceIndices
+from .packed import PackedSquares, split_packed
 from .remainders import RemainderMaster, Summand, flat_slice
 
 # Row length of packed blocks: each row accumulates this many terms in fp32; shorter is more
@@ -200,6 +201,10 @@ class RowNormGroup:
 
     Row norms go to a row buffer of ``FLUSH_ROWS`` floats; each time it is full their squares are
     added to the slots in float64 with one ``index_add_``.
+
+    Given ``num_slots`` (a plan built once and called often), the small contiguous tensors, and
+    fp32 views of a shared storage, are read instead by one
+    :class:`~.packed.PackedSquares`: a fixed handful of ops whatever their number.
     """
 
     def __init__(
@@ -208,10 +213,29 @@ class RowNormGroup:
         slots: Sequence[int],
         device: torch.device,
         indices: DeviceIndices,
+        num_slots: Optional[int] = None,
     ) -> None:
         self._device = device
         decodes = any(isinstance(t, RemainderMaster) for t in tensors)
         self.backend = f"{device.type} row norms" + (" of decoded remainders" if decodes else "")
+        self._packed: Optional[PackedSquares] = None
+        if num_slots is not None:
+            plain = [
+                i
+                for i, t in enumerate(tensors)
+                if not isinstance(t, RemainderMaster) and t.is_contiguous()
+            ]
+            taken, _ = split_packed([cast(Tensor, tensors[i]) for i in plain])
+            if taken:
+                packed = {plain[k] for k in taken}
+                self._packed = PackedSquares(
+                    [cast(Tensor, tensors[i]) for i in sorted(packed)],
+                    [slots[i] for i in sorted(packed)],
+                    num_slots,
+                    device,
+                )
+                left = [i for i in range(len(tensors)) if i not in packed]
+                tensors, slots = [tensors[i] for i in left], [slots[i] for i in left]
         self._strided: list[Tensor] = []
         strided_slots: list[int] = []
         builder = _FlushBuilder(device, indices)
@@ -247,6 +271,8 @@ class RowNormGroup:
             for item in flush.items:
                 yield from item.pieces if isinstance(item, _PackedBlock) else (item,)
         yield from self._strided
+        if self._packed is not None:
+            yield from self._packed.views()
 
     @property
     def scratch_bytes(self) -> int:
@@ -257,7 +283,14 @@ class RowNormGroup:
         strided = max((p.numel() * 8 for p in self._strided), default=0)
         return packed + max(rows, strided)
 
+    @property
+    def kept_bytes(self) -> int:
+        """What the group keeps between calls beyond its index tensors (the packed read's)."""
+        return 0 if self._packed is None else self._packed.kept_bytes
+
     def __call__(self, acc: Tensor) -> None:
+        if self._packed is not None:
+            acc += self._packed()[:-1]
         if self._flushes:
             row_buffer = torch.empty(FLUSH_ROWS, dtype=torch.float32, device=self._device)
             scratch = torch.empty(0, dtype=torch.float32, device=self._device)
