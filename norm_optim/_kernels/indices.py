@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,10 +48,10 @@ class DeviceIndices:
         return len(self._kept)
 
 
-def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``torch.tensor(values, dtype=dtype)`` on ``device``; to a CUDA device through pinned host
-    memory and a non-blocking copy (torch's caching host allocator keeps the pinned block until
-    the copy has run), so the host does not wait."""
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.tensor(values, dtype=dtype)`` (numbers, or nested lists of them) on ``device``;
+    to a CUDA device through pinned host memory and a non-blocking copy (torch's caching host
+    allocator keeps the pinned block until the copy has run), so the host does not wait."""
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
