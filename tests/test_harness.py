@@ -212,6 +212,13 @@ def _exit_on_rank_1() -> None:
     dist.barrier()
 
 
+def _exit_on_rank_1_then_fail_on_rank_0() -> None:
+    """Rank 0 fails because rank 1 is gone (as a collective with a dead peer does)."""
+    if dist.get_rank() == 1:
+        os._exit(7)
+    raise ConnectionResetError("peer gone")  # at once: the parent may read this first
+
+
 def _hang_on_rank_0() -> None:
     if dist.get_rank() == 0:
         time.sleep(600)
@@ -231,6 +238,12 @@ def test_dead_rank_is_reported_not_awaited() -> None:
     with pytest.raises(RankFailedError, match="rank 1 failed: process died with exit code 7"):
         run_ranks(_exit_on_rank_1, 2, timeout=30)
     assert time.monotonic() - start < 10
+
+
+def test_a_dead_rank_is_reported_not_the_peer_it_broke() -> None:
+    for _ in range(3):  # whichever of the two the parent reads first
+        with pytest.raises(RankFailedError, match="rank 1 failed: process died with exit code 7"):
+            run_ranks(_exit_on_rank_1_then_fail_on_rank_0, 2, timeout=30)
 
 
 def test_hanging_rank_times_out_with_stacks() -> None:

@@ -43,9 +43,9 @@ _STACK_DUMP_GRACE_S = 1.0
 # How long ranks that reported a result get to destroy their process groups.
 _TEARDOWN_GRACE_S = 5.0
 _GLOO_TIMEOUT_MARGIN_S = 60.0
-# How long a peer's error waits for a crashed rank's exit to show (the kernel closes a dying
+# How long a rank's error waits for a dead peer's exit to show (the kernel closes a dying
 # process's sockets, which the peer's collective fails on, just before it reaps it).
-_CRASH_GRACE_S = 0.2
+_DEATH_GRACE_S = 0.2
 
 
 class RankFailedError(RuntimeError):
@@ -194,21 +194,45 @@ def _child_main(
         _teardown()
 
 
-def _raise_for_crash(
-    procs: list[multiprocessing.process.BaseProcess], specs: list[_ChildSpec], ranks: list[int]
-) -> None:
-    """Raise :class:`_RankKilledError` for the first of ``ranks`` a signal has killed.
+def _death(rank: int, code: int, spec: _ChildSpec) -> RankFailedError:
+    """The error for a rank that exited (``code``) without reporting."""
+    if code < 0:  # killed by a signal
+        stacks = spec.stack_file.read_text() if spec.stack_file.exists() else ""
+        return _RankKilledError(rank, -code, stacks)
+    return RankFailedError(
+        rank,
+        f"process died with exit code {code}",
+        "(no traceback: the process exited without reporting)",
+    )
 
-    Looked for before a peer's error is raised: a crashed rank's closed connections are what
-    its peers' collectives fail on, and they may report first.
+
+def _raise_for_death(
+    procs: list[multiprocessing.process.BaseProcess],
+    conns: list[Connection],
+    specs: list[_ChildSpec],
+    ranks: list[int],
+) -> None:
+    """Raise for the first of ``ranks`` that died without reporting.
+
+    Looked for before a rank's error is raised: a dead rank's closed connections are what its
+    peers' collectives fail on, and a peer may report that first. (The ranks' results are
+    not needed any more: an error is raised either way.)
     """
-    deadline = time.monotonic() + _CRASH_GRACE_S
+    deadline = time.monotonic() + _DEATH_GRACE_S
     for rank in ranks:
         procs[rank].join(max(0.0, deadline - time.monotonic()))
         code = procs[rank].exitcode
-        if code is not None and code < 0:
-            stacks = specs[rank].stack_file
-            raise _RankKilledError(rank, -code, stacks.read_text() if stacks.exists() else "")
+        if code is not None and not _reported(conns[rank]):
+            raise _death(rank, code, specs[rank])
+
+
+def _reported(conn: Connection) -> bool:
+    """Whether a dead rank sent its message before it died (reading it, to know)."""
+    try:
+        conn.recv()
+    except EOFError:
+        return False
+    return True
 
 
 def _raise_for_error(rank: int, message: tuple) -> None:
@@ -363,14 +387,9 @@ def _collect(
                 message = None
             if message is None:  # it died without reporting
                 procs[rank].join()
-                _raise_for_crash(procs, specs, [rank])
-                raise RankFailedError(
-                    rank,
-                    f"process died with exit code {procs[rank].exitcode}",
-                    "(no traceback: the process exited without reporting)",
-                )
+                raise _death(rank, procs[rank].exitcode or 0, specs[rank])
             if message[0] == "error":
-                _raise_for_crash(procs, specs, list(pending.values()))  # what broke its peer
+                _raise_for_death(procs, conns, specs, list(pending.values()))  # its cause
                 _raise_for_error(rank, message)
             results[rank] = pickle.loads(message[1])
     return [results[rank] for rank in range(len(procs))]
