@@ -52,7 +52,7 @@ import torch
 
 from norm_optim import NormAwareOptimizer
 from norm_optim._comm import Done
-from norm_optim._name_exchange import digests, encode, name_parts, pack, speakers
+from norm_optim._norms.names import digests, encode, name_parts, pack, speakers
 from norm_optim.integrations._checkpoint_norms import CheckpointParity
 from norm_optim.testing.comm import RecordingCommunicator, Traffic
 
@@ -354,7 +354,7 @@ def run_layout(layout: Layout, world: int, params: int) -> list[Row]:
     moe = layout.ep > 1
     comm = SimulatedCommunicator(sizes, ranks_of(sizes, 0, 0))
     optimizer, model = wrap(params, moe, comm)
-    from norm_optim._norm import local_names
+    from norm_optim._norms.reducer import local_names
 
     peers, reduce = names_sim(sizes, local_names(optimizer.registry))
     rows: list[Row] = []

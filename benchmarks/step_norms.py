@@ -119,7 +119,7 @@ def _case(fields: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.param_norm.memory import PeakMemory
     from norm_optim import NormAwareOptimizer
     from norm_optim._kernels.chunks import default_budget
-    from norm_optim._step import StepMeasurement, observed_step
+    from norm_optim._step.measurement import StepMeasurement, observed_step
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 
@@ -271,7 +271,7 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     and on between them, its reads kept), its read alone, and everything the watched step
     adds (the wrapper's checks, the hooks, the read, the veto) timed on an idle step."""
     from norm_optim import NormAwareOptimizer
-    from norm_optim._step import observed_step
+    from norm_optim._step.measurement import observed_step
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 

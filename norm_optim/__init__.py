@@ -20,14 +20,14 @@ from ._errors import (
     UnknownParamError,
     UnsupportedOptimizerError,
 )
-from ._findings import AuditError
+from ._audit.findings import AuditError
 from ._moved import Moved, moved_names
-from ._norm import ParamNorms, PendingNorms
-from ._resume import StateFingerprint
-from ._resume_report import verify_resume
-from ._step import StepNorms
+from ._norms.reducer import ParamNorms, PendingNorms
+from ._resume.fingerprint import StateFingerprint
+from ._resume.report import verify_resume
+from ._step.measurement import StepNorms
 from ._versions import UntestedMegatronWarning
-from ._watch import Alarm, Watch, WatchConfig
+from ._step.watch import Alarm, Watch, WatchConfig
 from ._wrapper import NormAwareOptimizer
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The wrapper holds no layout logic: it delegates everything to the wrapped optimizer, keeps a
 :class:`~norm_optim.inspection.ParamRegistry` up to date, and asks a
-:class:`~norm_optim._norm.NormReducer` for the norm.
+:class:`~norm_optim._norms.reducer.NormReducer` for the norm.
 """
 
 from __future__ import annotations
@@ -12,17 +12,23 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ._audit import AuditReport, run_audit
+from ._audit.run import AuditReport, run_audit
 from ._comm import Communicator, ProcessGroup, TorchCommunicator
 from ._errors import NormOptimError
-from ._norm import NormReducer, ParamNorms, PendingNorms
+from ._norms.reducer import NormReducer, ParamNorms, PendingNorms
 from ._megatron import audit_layout, check_reduce_group, rank_coords
-from ._ownership import RankCoords
-from ._registry import ParamRegistry
-from ._resume import StateFingerprint, fingerprint_state
-from ._staleness import Staleness
-from ._step import PendingStepNorms, StepMeasurement, StepNorms, WatchedGrads, observed_step
-from ._watch import Watch, WatchConfig
+from ._counting.ownership import RankCoords
+from ._norms.registry import ParamRegistry
+from ._resume.fingerprint import StateFingerprint, fingerprint_state
+from ._norms.staleness import Staleness
+from ._step.measurement import (
+    PendingStepNorms,
+    StepMeasurement,
+    StepNorms,
+    WatchedGrads,
+    observed_step,
+)
+from ._step.watch import Watch, WatchConfig
 from ._versions import warn_if_untested
 
 
@@ -306,7 +312,7 @@ class NormAwareOptimizer:
         state.reducer = None
 
     def _current_reducer(self) -> NormReducer:
-        # Rebuild only when the optimizer replaced its tensors (see norm_optim._staleness).
+        # Rebuild only when the optimizer replaced its tensors (see norm_optim._norms.staleness).
         state = self._state
         check = state.staleness.check()
         if check.stale or state.reducer is None:

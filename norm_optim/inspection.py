@@ -10,12 +10,12 @@ exported from ``norm_optim`` itself until 0.4.0; that spelling still works, with
 """
 
 from ._comm import TorchCommunicator
-from ._findings import AuditReport, Finding, FindingKind
-from ._norm import NamedNorms
-from ._ownership import RankCoords
-from ._registry import CountedRecord, ParamRecord, ParamRegistry
-from ._resume_report import ResumeReport
-from ._vocabulary import NotCounted, Source
+from ._audit.findings import AuditReport, Finding, FindingKind
+from ._norms.reducer import NamedNorms
+from ._counting.ownership import RankCoords
+from ._norms.registry import CountedRecord, ParamRecord, ParamRegistry
+from ._resume.report import ResumeReport
+from ._counting.vocabulary import NotCounted, Source
 
 __all__ = [
     "AuditReport",

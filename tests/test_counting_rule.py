@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 
 from norm_optim.inspection import NotCounted, RankCoords
-from norm_optim._ownership import Copies, why_not_counted
+from norm_optim._counting.ownership import Copies, why_not_counted
 
 COUNTING_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "counting.md"
 

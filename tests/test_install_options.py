@@ -21,8 +21,8 @@ import torch
 
 from norm_optim import AuditError, WatchConfig
 from norm_optim.inspection import AuditReport, Finding, FindingKind
-from norm_optim._norm import ParamNorms
-from norm_optim._watch import Watch
+from norm_optim._norms.reducer import ParamNorms
+from norm_optim._step.watch import Watch
 from norm_optim.integrations import megatron_bridge, megatron_lm
 from norm_optim.integrations._audit_schedule import KEPT_REPORTS, AuditSchedule
 from norm_optim.integrations._checkpoint_norms import CheckpointParity

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from norm_optim._name_exchange import digests, encode, exchange_names, name_parts, speakers
+from norm_optim._norms.names import digests, encode, exchange_names, name_parts, speakers
 from norm_optim.testing import RecordingCommunicator, init_parallel, run_ranks
 from norm_optim.testing.comm import Traffic
 from norm_optim.testing.models import build_model, build_optimizer
@@ -59,7 +59,7 @@ def _rank_body(layout: Layout) -> dict[str, Any]:
 
     from norm_optim import NormAwareOptimizer
     from norm_optim._comm import TorchCommunicator
-    from norm_optim._norm import local_names
+    from norm_optim._norms.reducer import local_names
 
     init_parallel(**layout.parallel())
     chunks = build_model(

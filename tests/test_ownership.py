@@ -119,8 +119,8 @@ def test_dtensor_replica_axes_and_mesh_checks() -> None:
     """The DTensor row of the rule, on plain data: a ``Replicate`` mesh axis counts on its
     coordinate 0 only; a mesh that spans megatron TP peers, or leaves out ranks of megatron's DP
     group, is a conflict (the registry refuses it)."""
-    from norm_optim._ownership import Copies, RankCoords, mesh_conflict, why_not_counted
-    from norm_optim._vocabulary import NotCounted
+    from norm_optim._counting.ownership import Copies, RankCoords, mesh_conflict, why_not_counted
+    from norm_optim._counting.vocabulary import NotCounted
 
     def reason(replica_coords: tuple[int, ...]) -> object:
         copies = Copies(

@@ -112,7 +112,7 @@ def test_no_import_cycle_in_the_package() -> None:
 def test_the_registry_names_no_layout_and_no_release() -> None:
     """Layout knowledge lives in the Megatron adapter (``norm_optim._megatron``); the registry
     joins what it reads with the counting rule."""
-    source = (PACKAGE / "_registry.py").read_text(encoding="utf-8")
+    source = (PACKAGE / "_norms" / "registry.py").read_text(encoding="utf-8")
     layouts = (
         r"fsdp|dtensor|gtp|mimo|mesh|padding|pipeline|precision|muon|layer-wise|megatron-core\b"
     )
@@ -122,7 +122,7 @@ def test_the_registry_names_no_layout_and_no_release() -> None:
 
 def test_the_counting_table_has_one_text() -> None:
     """docs/counting.md is the rule's one text: the module points to it, holds no copy."""
-    source = (PACKAGE / "_ownership.py").read_text(encoding="utf-8")
+    source = (PACKAGE / "_counting" / "ownership.py").read_text(encoding="utf-8")
     assert "docs/counting.md" in source
     assert "=========" not in source and "| replicated over" not in source
 
@@ -266,9 +266,98 @@ def test_every_module_is_on_the_map() -> None:
 
 
 def test_every_adapter_module_is_in_its_list() -> None:
-    """The adapter's docstring lists every module of ``norm_optim/_megatron``."""
+    """The adapter's docstring lists every module of ``norm_optim/_megatron``, those of its
+    ``optimizers/`` subfolder as ``.optimizers.<module>``."""
     import norm_optim._megatron as adapter
 
-    listed = set(re.findall(r":mod:`\.(\w+)`", adapter.__doc__ or ""))
-    modules = {p.stem for p in (PACKAGE / "_megatron").glob("*.py") if p.stem != "__init__"}
+    listed = set(re.findall(r":mod:`\.([\w.]+)`", adapter.__doc__ or ""))
+    folder = PACKAGE / "_megatron"
+    modules = {_module_name(p, folder) for p in folder.rglob("*.py")} - {""}
+    assert "optimizers" in modules and "optimizers.kinds" in modules  # the subfolder was read
     assert modules - listed == set()
+
+
+FEATURE_FOLDERS = ("_counting", "_norms", "_step", "_audit", "_resume", "_megatron/optimizers")
+
+
+@pytest.mark.parametrize("folder", FEATURE_FOLDERS)
+def test_every_feature_folder_lists_its_modules(folder: str) -> None:
+    """Each folder's docstring says what the feature is and lists its modules."""
+    package = importlib.import_module("norm_optim." + folder.replace("/", "."))
+    listed = set(re.findall(r":mod:`\.(\w+)`", package.__doc__ or ""))
+    modules = {p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"}
+    assert modules, "no module found"
+    assert modules - listed == set()
+
+
+# The layers, lowest first, by the first name under norm_optim/ ("__init__" is the package
+# itself): a module imports from its own layer and the layers below it, never from one above
+# (docs/architecture.md, "Layers"). The test kit (testing/) is on top: it may import anything.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ground", ("_errors", "_comm", "_patching", "_versions", "_kernels", "_counting")),
+    ("adapter", ("_megatron",)),
+    ("norms", ("_norms",)),
+    ("features", ("_step", "_audit", "_resume")),
+    ("wrapper", ("__init__", "_wrapper", "_moved", "inspection")),
+    ("loops", ("integrations", "plot")),
+    ("kit", ("testing",)),
+)
+# The features (the step, the audit, the resume proof) share a layer and do not import each
+# other; the imports between them the code has (none).
+FEATURES = "features"
+FEATURE_EDGES: frozenset[tuple[str, str]] = frozenset()
+# Imports of a higher layer the code has (none).
+UPWARD_EDGES: frozenset[tuple[str, str]] = frozenset()
+
+
+def _layer_part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layers() -> dict[str, int]:
+    return {part: i for i, (_, parts) in enumerate(LAYERS) for part in parts}
+
+
+def test_every_module_is_on_a_layer() -> None:
+    missing = sorted({_layer_part(m) for m in import_graph()} - _layers().keys())
+    assert missing == [], "put these on a layer of LAYERS"
+
+
+def layer_violations(
+    graph: dict[str, set[str]],
+    upward_allowed: frozenset[tuple[str, str]] = UPWARD_EDGES,
+    across_allowed: frozenset[tuple[str, str]] = FEATURE_EDGES,
+) -> tuple[list[str], list[str]]:
+    """The imports of a higher layer, and those from one feature into another."""
+    layer = _layers()
+    features = next(i for i, (name, _) in enumerate(LAYERS) if name == FEATURES)
+    upward, across = [], []
+    for module, deps in sorted(graph.items()):
+        a = _layer_part(module)
+        for dep in sorted(deps):
+            b = _layer_part(dep)
+            if layer[b] > layer[a] and (module, dep) not in upward_allowed:
+                upward.append(f"{module} -> {dep}")
+            elif layer[a] == layer[b] == features and a != b and (a, b) not in across_allowed:
+                across.append(f"{module} -> {dep}")
+    return upward, across
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {
+        "norm_optim._megatron.model": {"norm_optim._norms.registry", "norm_optim._errors"},
+        "norm_optim._resume.report": {"norm_optim._step.watch"},
+        "norm_optim._wrapper": {"norm_optim._step.watch", "norm_optim._counting.ownership"},
+        "norm_optim.testing.cpu": {"norm_optim._wrapper"},
+    }
+    assert layer_violations(graph, frozenset(), frozenset()) == (
+        ["norm_optim._megatron.model -> norm_optim._norms.registry"],
+        ["norm_optim._resume.report -> norm_optim._step.watch"],
+    )
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward, across = layer_violations(import_graph())
+    assert upward == [], "imports of a higher layer"
+    assert across == [], "the features import each other"

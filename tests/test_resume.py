@@ -320,7 +320,7 @@ def _failing_body(case: Case) -> str:
     enter the reduce, then raise alike."""
     import torch.distributed as dist
 
-    import norm_optim._resume as resume
+    import norm_optim._resume.fingerprint as resume
     from norm_optim import NormAwareOptimizer, UnsupportedOptimizerError
 
     chunks, inner, _ = _filled(case)

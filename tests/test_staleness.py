@@ -224,7 +224,7 @@ def test_refresh_and_param_groups_setter_rebuild_the_registry() -> None:
     optimizer.refresh()
     assert optimizer.registry is not first
     expected = float(optimizer.param_l2_norm())
-    # The documented limit (norm_optim._staleness): a main param in the middle of a group gets
+    # The documented limit (norm_optim._norms.staleness): a main param in the middle of a group gets
     # new storage while the group's ends stay put. The fingerprint cannot see it, refresh() can.
     group = next(g for g in inner.fp32_from_float16_groups if len(g) >= 3)
     middle = group[len(group) // 2]

@@ -152,8 +152,8 @@ def _torch_optimizers(inner: Any) -> list[Any]:
 
 def _readers(optimizer: NormAwareOptimizer) -> list[Any]:
     """The step plan's readers of torch Adam / SGD updates (per-param plan: the tests arm so)."""
-    from norm_optim._megatron.update_rule import UpdateReader
-    from norm_optim._step import StepPlan
+    from norm_optim._megatron.optimizers.update_rule import UpdateReader
+    from norm_optim._step.measurement import StepPlan
 
     plan = optimizer._current_reducer().step_plan(True, StepPlan)
     return [r for r in plan.readers if isinstance(r, UpdateReader)]
@@ -477,7 +477,7 @@ def _swapped_run(kind: str, hook: bool) -> list[dict]:
     """Two armed steps from the first one (SGD's first step creates its buffer) of megatron's
     optimizer (distributed for Adam, Float16 for SGD, as megatron builds them) whose inner torch
     optimizer is ``SWAPPED[kind]``; with ``hook``, a step pre-hook on it: derived."""
-    from norm_optim._megatron.torch_rules import _nesterov_left_in_grads
+    from norm_optim._megatron.optimizers.torch_rules import _nesterov_left_in_grads
 
     cls, flags = SWAPPED[kind]
     adam = issubclass(cls, torch.optim.Adam) or cls is torch.optim.AdamW

@@ -8,8 +8,8 @@ multiplies one param's ``main_grad`` (what the optimizer copies to its fp32 main
 expected param and layer are the ones the test touched; the weights and moments a skipped step
 must leave alone are the test's own snapshots, compared bitwise.
 
-The statistics themselves (:class:`~norm_optim._watch_signals.RollingStats`) are checked against
-Python's ``statistics`` module on one process.
+The statistics themselves (:class:`~norm_optim._step.watch_signals.RollingStats`) are checked
+against Python's ``statistics`` module on one process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from norm_optim import NormAwareOptimizer, WatchConfig
 from norm_optim.inspection import TorchCommunicator
-from norm_optim._watch import RollingStats
+from norm_optim._step.watch import RollingStats
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import build_model, build_optimizer, train_step
 from norm_optim.testing.oracle import named_global_parameters
@@ -235,7 +235,7 @@ def _host_made_per_read() -> dict[str, list[int]]:
     a copy from pageable memory, which stalls the host) inside the reads of four watched steps,
     the last four armed (two total-only, two per-param): the watch's grads, the armed step's
     grads, and everything it sums after the step (weights, moments, the packet)."""
-    from norm_optim._step import StepMeasurement, WatchedGrads
+    from norm_optim._step.measurement import StepMeasurement, WatchedGrads
 
     made: dict[str, list[int]] = {"watch": [], "armed grads": [], "armed after": []}
 

@@ -92,7 +92,7 @@ LAYOUTS = {
 
 
 def _bound_against_each_tensor(layout: Layout, dist_opt: bool) -> dict[str, Any]:
-    from norm_optim._step import WatchedGrads
+    from norm_optim._step.measurement import WatchedGrads
 
     init_parallel(**layout.parallel())
     chunks = build_model(layout.cfg, use_distributed_optimizer=dist_opt, seed=3)

@@ -242,7 +242,7 @@ def _watched_row(
     Megatron's own step reads its grad norm on the host)."""
     from benchmarks.step_norms import aten_ops
     from norm_optim._patching import Patch, patches_applied
-    from norm_optim._step import WatchedGrads
+    from norm_optim._step.measurement import WatchedGrads
 
     what = "watched step()"
     original = WatchedGrads.grads_ready

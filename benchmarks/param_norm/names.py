@@ -4,12 +4,13 @@ world sizes up to 16,384, on one process.
 Each simulated rank holds the layout-independent names a GPTModel (Transformer Engine spec, RMS
 norms with q/k layernorm, no biases; MoE layers with TE grouped experts) would give it on its
 pipeline stage and expert rank: the names are generated here from the layout (no model is
-built), shaped like ``norm_optim._megatron.naming``'s. :func:`norm_optim._name_exchange.exchange_names`
-then runs as one rank, over a :class:`~norm_optim.testing.RecordingCommunicator` that plays
-every other rank (their digests, the sums of their lists) and counts the bytes as torch.distributed
-moves them (``tests/test_name_exchange.py`` checks that count against real gloo runs at 2-8
-ranks). Next to it, the same for the one ``all_gather_object`` of every rank's list that the
-exchange replaces (:func:`all_gather_object_traffic`, also checked there).
+built), shaped like ``norm_optim._megatron.naming``'s.
+:func:`norm_optim._norms.names.exchange_names` then runs as one rank, over a
+:class:`~norm_optim.testing.RecordingCommunicator` that plays every other rank (their digests, the
+sums of their lists) and counts the bytes as torch.distributed moves them
+(``tests/test_name_exchange.py`` checks that count against real gloo runs at 2-8 ranks). Next to it,
+the same for the one ``all_gather_object`` of every rank's list that the exchange replaces
+(:func:`all_gather_object_traffic`, also checked there).
 
 ``python -m benchmarks.param_norm --names-exchange`` prints the table (a few seconds).
 """
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from norm_optim._name_exchange import digests, encode, exchange_names, name_parts, pack, speakers
+from norm_optim._norms.names import digests, encode, exchange_names, name_parts, pack, speakers
 from norm_optim.testing import RecordingCommunicator
 from norm_optim.testing.comm import Reduce, Traffic
 
@@ -117,7 +118,7 @@ def group_sums(lists_of: Callable[[int], Names], order: Sequence[tuple[int, int]
 
 
 def simulate_exchange(model: NamesModel, world: int, rank: int) -> Traffic:
-    """One rank's traffic in :func:`~norm_optim._name_exchange.exchange_names` at ``world``."""
+    """One rank's traffic in :func:`~norm_optim._norms.names.exchange_names` at ``world``."""
     cpu = torch.device("cpu")
 
     @functools.lru_cache(maxsize=None)

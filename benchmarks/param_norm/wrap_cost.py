@@ -10,7 +10,7 @@ from typing import Any
 
 from norm_optim._comm import TorchCommunicator
 from norm_optim._megatron import rank_coords, read_declarations
-from norm_optim._registry import ParamRegistry
+from norm_optim._norms.registry import ParamRegistry
 
 BUILDS = 3
 

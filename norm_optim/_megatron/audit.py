@@ -1,10 +1,10 @@
 """What the audit needs to know of megatron: the process groups in which copies live, the tied
 weights, the weights whose all-gather may be in flight, and the layouts it cannot audit.
 
-The counting rule says *which* copies a rank skips (:class:`~norm_optim._ownership.Copies`);
-the audit (:mod:`norm_optim._audit`) compares them, and for that it needs the groups themselves
-(the rule only needs this rank's coordinates in them). Everything megatron-specific about
-that is read here, as plain data.
+The counting rule says *which* copies a rank skips
+(:class:`~norm_optim._counting.ownership.Copies`); the audit (:mod:`norm_optim._audit.run`) compares
+them, and for that it needs the groups themselves (the rule only needs this rank's coordinates in
+them). Everything megatron-specific about that is read here, as plain data.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .._comm import Communicator, ProcessGroup
 from .._errors import UnsupportedOptimizerError
 from .dtensor import is_dtensor
 from .fsdp import is_megatron_fsdp, weight_shards
-from .descriptor import OptimizerDescriptor
+from .optimizers.descriptor import OptimizerDescriptor
 from .model import describe
 from .parallel_state import _gtp_group, _without_gtp_remat
 

@@ -10,10 +10,10 @@ A DTensor states how its elements are spread over its device mesh: on a ``Shard`
 ranks hold disjoint parts (summed, no owner needed), on a ``Replicate`` axis they hold the same
 part (counted on the axis's coordinate 0). So a DTensor holding becomes its local tensor (a view,
 no copy) plus this rank's coordinates on the replicating axes, and the rule of
-:mod:`norm_optim._ownership` does the rest; megatron's own TP (outside the FSDP mesh) still applies
-through megatron's markers, which ``TorchFullyShardedDataParallel`` copies onto the DTensors.
-Anything a sum of local shards would not count exactly once is refused by name: a ``Partial``
-(pending-reduction) or unknown placement, a local tensor whose shape is not the one the
+:mod:`norm_optim._counting.ownership` does the rest; megatron's own TP (outside the FSDP mesh) still
+applies through megatron's markers, which ``TorchFullyShardedDataParallel`` copies onto the
+DTensors. Anything a sum of local shards would not count exactly once is refused by name: a
+``Partial`` (pending-reduction) or unknown placement, a local tensor whose shape is not the one the
 placements give (padded or uneven data), a DTensor that is a distributed-optimizer shard, and a
 DTensor on a smaller mesh than other params of the same model on this rank (a param left out of
 ``parallelize_module`` lives on the FSDP sub-mesh while its copies sit on the other TP ranks,
@@ -23,7 +23,7 @@ Without megatron's parallel state (torch-native training) ranks outside every me
 rank's params are taken to hold other params (pipeline stages): a copy of a whole FSDP group kept
 outside DTensor (DDP across FSDP groups) is in no placement; describe it as HSDP. With megatron's
 parallel state the registry checks each mesh against megatron's groups
-(:func:`norm_optim._ownership.mesh_conflict`).
+(:func:`norm_optim._counting.ownership.mesh_conflict`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .._errors import UnsupportedOptimizerError
-from .holdings import Holding
+from .optimizers.holdings import Holding
 
 
 def is_dtensor(tensor: Any) -> bool:

@@ -10,10 +10,10 @@ original param. Frozen params have no main weights: their bucket's bf16 ``model_
 holds this rank's shard of them.
 
 So every element is in exactly one rank's shard within its buffer group, and the shards need no
-owner rule of their own: a shard is a :class:`~norm_optim._megatron.holdings.Holding` that is
-not replicated, whose ``shard_group`` is the buffer's group, and the usual rule of
-:mod:`norm_optim._ownership` adds what FSDP does not shard (TP duplicates: TP rank 0, expert-TP
-rank 0 for experts; EP ranks hold different experts, and the expert mesh has no EP dim).
+owner rule of their own: a shard is a :class:`~norm_optim._megatron.optimizers.holdings.Holding`
+that is not replicated, whose ``shard_group`` is the buffer's group, and the usual rule of
+:mod:`norm_optim._counting.ownership` adds what FSDP does not shard (TP duplicates: TP rank 0,
+expert-TP rank 0 for experts; EP ranks hold different experts, and the expert mesh has no EP dim).
 Hybrid FSDP (``num_distributed_optimizer_instances > 1``) of dense models follows from the same
 rule: with ``outer_dp_sharding_strategy="no_shard"`` each instance holds a full set of shards
 over its own group and the instance holding DP rank 0 counts; with ``"optim"`` the main
@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._errors import UnknownParamError, UnsupportedOptimizerError
-from .._vocabulary import Source
+from .._counting.vocabulary import Source
 from .fsdp_v2 import v2_model_param
-from .holdings import Holding, fp32_view_in, leaves, model_chunks_of
+from .optimizers.holdings import Holding, fp32_view_in, leaves, model_chunks_of
 
 _SHARDING = "optim_grads_params"
 

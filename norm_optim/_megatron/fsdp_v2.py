@@ -18,10 +18,10 @@ param (``unsharded``), which keeps them: :func:`model_param` maps one to the oth
 registry keys everything by the original. Frozen params are in no optimizer: their group's
 ``model_weight`` (the weights the forward pass gathers) holds this rank's slice of them.
 
-So a v2 shard is a :class:`~norm_optim._megatron.holdings.Holding` that is not replicated,
-whose ``shard_group`` is the mesh's ranks, and :mod:`norm_optim._ownership`'s one rule does the
-rest (v2 refuses TP / PP / CP > 1 itself). Shapes v2 may build but this module cannot read
-exactly (a non-``Flat`` placement, non-fp32 main weights) are refused, naming v2.
+So a v2 shard is a :class:`~norm_optim._megatron.optimizers.holdings.Holding` that is not
+replicated, whose ``shard_group`` is the mesh's ranks, and :mod:`norm_optim._counting.ownership`'s
+one rule does the rest (v2 refuses TP / PP / CP > 1 itself). Shapes v2 may build but this module
+cannot read exactly (a non-``Flat`` placement, non-fp32 main weights) are refused, naming v2.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from .._errors import UnknownParamError, UnsupportedOptimizerError
-from .._vocabulary import Source
-from .holdings import Holding, fp32_view_in, leaves, model_chunks_of
+from .._counting.vocabulary import Source
+from .optimizers.holdings import Holding, fp32_view_in, leaves, model_chunks_of
 
 # megatron/core/distributed/fsdp/src/megatron_fsdp/experimental/parameter_group.py (0.20.dev):
 # the weak back-reference from both the sharded and the original param to their group.

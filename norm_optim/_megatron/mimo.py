@@ -11,8 +11,8 @@ TP / DP.
 So the coordinates that decide who counts an element are per module: each module's holdings
 carry the :class:`~norm_optim.inspection.RankCoords` read from its own groups
 (:attr:`Holding.coords`), frozen params the coordinates of the module that owns them
-(:func:`mimo_param_coords`), and :func:`~norm_optim._ownership.why_not_counted` stays the one
-rule. The reduction is still one all-reduce, over a group that must hold every module's ranks.
+(:func:`mimo_param_coords`), and :func:`~norm_optim._counting.ownership.why_not_counted` stays the
+one rule. The reduction is still one all-reduce, over a group that must hold every module's ranks.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 
 from .._comm import Communicator
 from .._errors import ParallelStateError, UnsupportedOptimizerError
-from .._ownership import RankCoords
+from .._counting.ownership import RankCoords
 from .fsdp import model_param
-from .holdings import Holding
-from .descriptor import LeafDescriptor, OptimizerDescriptor, describe_leaf
-from .optimizers import describe_optimizer
+from .optimizers.holdings import Holding
+from .optimizers.descriptor import LeafDescriptor, OptimizerDescriptor, describe_leaf
+from .optimizers.kinds import describe_optimizer
 from .parallel_state import coords_from_pg_collection
 
 

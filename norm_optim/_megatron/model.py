@@ -1,10 +1,10 @@
 """The adapter's one entry point for the registry: every model param joined with what this rank
 holds for it, every layout's checks done (:func:`read_model`).
 
-The registry (:mod:`norm_optim._registry`) applies the counting rule to what is returned here and
-names no layout: which params torch FSDP2 holds unsharded, which DTensor meshes cannot be counted,
-GTP's alignment padding, a module's own process groups (MIMO), the chunks an optimizer was built
-for, and a layout megatron itself got wrong are all known here.
+The registry (:mod:`norm_optim._norms.registry`) applies the counting rule to what is returned here
+and names no layout: which params torch FSDP2 holds unsharded, which DTensor meshes cannot be
+counted, GTP's alignment padding, a module's own process groups (MIMO), the chunks an optimizer was
+built for, and a layout megatron itself got wrong are all known here.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import torch
 
 from .._comm import Communicator
 from .._errors import ParallelStateError, UnknownParamError
-from .._ownership import Copies, RankCoords, mesh_conflict
-from .._vocabulary import Source
+from .._counting.ownership import Copies, RankCoords, mesh_conflict
+from .._counting.vocabulary import Source
 from .declarations import Declarations
 from .dtensor import is_fsdp2_model, local_holding, refuse_partial_meshes
 from .fsdp import model_param
-from .holdings import Holding
-from .descriptor import OptimizerDescriptor
+from .optimizers.holdings import Holding
+from .optimizers.descriptor import OptimizerDescriptor
 from .mimo import describe_mimo, is_mimo, mimo_param_coords
 from .naming import global_param_names
-from .optimizers import describe_optimizer
+from .optimizers.kinds import describe_optimizer
 from .params import ModelStructure, ParamTraits, param_traits, without_padding
 
 
@@ -95,8 +95,8 @@ def model_chunks(optimizer: Any, model: Any) -> Optional[list[torch.nn.Module]]:
 
 
 def describe(optimizer: Any, comm: Communicator) -> OptimizerDescriptor:
-    """The :class:`~.descriptor.OptimizerDescriptor` of ``optimizer`` (a MIMO optimizer's: its
-    modules' leaves, its holdings each with its module's coordinates)."""
+    """The :class:`~.optimizers.descriptor.OptimizerDescriptor` of ``optimizer`` (a MIMO
+    optimizer's: its modules' leaves, its holdings each with its module's coordinates)."""
     if is_mimo(optimizer):
         return describe_mimo(optimizer, comm)
     return describe_optimizer(optimizer, comm)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from .._comm import Communicator
 from .._errors import ParallelStateError
-from .._ownership import RankCoords
+from .._counting.ownership import RankCoords
 
 
 def coords_of_rank(comm: Communicator, pg_collection: Any = None) -> RankCoords:

@@ -9,7 +9,8 @@ declaration, and a cross-check: where they disagree with the declaration, the de
 and the traits say so. The other traits come from markers (``allreduce=False`` for experts,
 ``is_gtp_weight_remat`` for GTP shards, ``shared`` for tied copies) and, where megatron leaves
 them out (experts are marked only at EP > 1 before 0.19), from the module structure. The
-counting rule (:mod:`norm_optim._ownership`) reads only the :class:`ParamTraits` built here.
+counting rule (:mod:`norm_optim._counting.ownership`) reads only the :class:`ParamTraits` built
+here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from .._comm import Communicator
 from .._kernels import Summand
 from .._kernels.remainders import flat_slice
-from .._vocabulary import SplitFrom
+from .._counting.vocabulary import SplitFrom
 from .declarations import Declaration, Declarations, read_declarations
 from .fsdp import model_param
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._errors import UnsupportedOptimizerError
-from .._ownership import RankCoords
+from .._counting.ownership import RankCoords
 from .declarations import Declaration, Declarations
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._comm import Communicator
-from .._ownership import RankCoords
+from .._counting.ownership import RankCoords
 from .parallel_state import check_model_ranks_in_group, coords_of_rank
 from .mimo import is_mimo, mimo_ranks
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Optional
 
-from .._findings import AuditError, AuditReport
+from .._audit.findings import AuditError, AuditReport
 from ._log import LOGGER, global_rank
 
 

@@ -7,8 +7,8 @@ import logging
 from typing import Any, Optional
 
 from .._comm import TorchCommunicator
-from .._findings import AuditError
-from .._norm import ParamNorms
+from .._audit.findings import AuditError
+from .._norms.reducer import ParamNorms
 from .._wrapper import NormAwareOptimizer
 from ._audit_schedule import AUDIT_ACTIONS
 from ._log import LOGGER, global_rank

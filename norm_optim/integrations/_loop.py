@@ -10,10 +10,10 @@ from types import ModuleType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .._errors import NormOptimError
-from .._norm import ParamNorms
-from .._step import StepNorms
+from .._norms.reducer import ParamNorms
+from .._step.measurement import StepNorms
 from .._patching import Patch, PatchSet
-from .._watch import LOSS, Alarm, say
+from .._step.watch import LOSS, Alarm, say
 from .._wrapper import NormAwareOptimizer
 from ._resume import ResumeProof
 from ._audit_schedule import AuditSchedule

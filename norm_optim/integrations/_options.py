@@ -7,7 +7,7 @@ import inspect
 import warnings
 from typing import Any, Mapping, Optional
 
-from .._watch import WatchConfig
+from .._step.watch import WatchConfig
 from .._wrapper import NormAwareOptimizer
 from ._audit_schedule import check_audit_options
 

@@ -22,9 +22,9 @@ import torch
 
 from .._comm import TorchCommunicator
 from .._errors import UnsupportedOptimizerError
-from .._findings import AuditError
-from .._resume import StateFingerprint
-from .._resume_report import ResumeReport, verify_resume
+from .._audit.findings import AuditError
+from .._resume.fingerprint import StateFingerprint
+from .._resume.report import ResumeReport, verify_resume
 from .._wrapper import NormAwareOptimizer
 from ._log import LOGGER, global_rank
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from .._norm import NamedNorms, ParamNorms
-from .._step import StepNorms
-from .._watch import WatchConfig
+from .._norms.reducer import NamedNorms, ParamNorms
+from .._step.measurement import StepNorms
+from .._step.watch import WatchConfig
 from ._logged_values import LoggedParamsNorm
 
 

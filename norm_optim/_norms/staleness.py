@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 import torch
 
-from ._megatron import fingerprint, where
-from ._registry import ParamRegistry
-from ._vocabulary import Source
+from .._megatron import fingerprint, where
+from .registry import ParamRegistry
+from .._counting.vocabulary import Source
 
 
 @dataclasses.dataclass(frozen=True)

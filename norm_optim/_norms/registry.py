@@ -2,9 +2,9 @@
 
 Built once, in O(params), from what the Megatron adapter reads (:func:`norm_optim._megatron.read_model`:
 every param with its holding, traits and coordinates, every layout checked there) and the counting
-rule (:mod:`norm_optim._ownership`). It names no layout: a new one is a change in the adapter and,
-at most, a new case of the rule. The hot call only reads :attr:`ParamRegistry.counted`, already
-grouped into kernel plans; it never walks params.
+rule (:mod:`norm_optim._counting.ownership`). It names no layout: a new one is a change in the
+adapter and, at most, a new case of the rule. The hot call only reads :attr:`ParamRegistry.counted`,
+already grouped into kernel plans; it never walks params.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ._comm import Communicator
-from ._kernels import Summand
-from ._megatron import Declarations, HeldParam, OptimizerDescriptor, read_model
-from ._ownership import Copies, RankCoords, why_not_counted
-from ._vocabulary import NotCounted, Source, SplitFrom
+from .._comm import Communicator
+from .._kernels import Summand
+from .._megatron import Declarations, HeldParam, OptimizerDescriptor, read_model
+from .._counting.ownership import Copies, RankCoords, why_not_counted
+from .._counting.vocabulary import NotCounted, Source, SplitFrom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +43,9 @@ class ParamRecord:
         copies: which groups hold copies of what this rank holds (the counting rule's input;
             the audit compares those copies). ``expert`` and ``tp_split`` read it.
         split_from: where ``tp_split`` was taken from
-            (:class:`~norm_optim._vocabulary.SplitFrom`): the model's checkpoint declaration
-            (``sharded_state_dict``) or megatron's marker (no declaration; models that are not
-            megatron modules).
+            (:class:`~norm_optim._counting.vocabulary.SplitFrom`): the model's checkpoint
+            declaration (``sharded_state_dict``) or megatron's marker (no declaration; models that
+            are not megatron modules).
         note: for a megatron model's param, how megatron's marker disagrees with its
             declaration (the declaration counts), or why there is no declaration; else None.
         offset: where ``tensor`` starts in the flattened param (a shard's start, else 0).

@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ._kernels.indices import to_device
-from ._watch_config import WatchConfig
+from .._kernels.indices import to_device
+from .watch_config import WatchConfig
 
 GRADS = "grads-norm"
 """The name of the grads signals: ``grads-norm`` (total), ``grads-norm/layer/<layer>``,

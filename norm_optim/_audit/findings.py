@@ -11,7 +11,7 @@ import dataclasses
 import enum
 from typing import Optional
 
-from ._errors import NormOptimError
+from .._errors import NormOptimError
 
 REPORT_CAP = 64  # findings a report shows; the rest are counted in ``AuditReport.omitted``
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ._vocabulary import NotCounted
+from .vocabulary import NotCounted
 
 
 @dataclasses.dataclass(frozen=True)

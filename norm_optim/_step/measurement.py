@@ -1,13 +1,13 @@
 """Step norms: what one armed ``step()`` saw and did, per param and layer, in one all-reduce.
 
 :class:`StepMeasurement` runs around one ``step()`` of the wrapped optimizer: the adapter's
-:func:`~norm_optim._megatron.step_state.run_step` calls it back once the grads are ready
+:func:`~norm_optim._megatron.optimizers.step_state.run_step` calls it back once the grads are ready
 (unscaled, before Megatron clips them in place) and when the step is taken (a skipped step never
 is). The updates are read in the step as the difference it stores (torch's Adam / SGD run chunk by
-chunk, Muon's per-param hooks: :mod:`norm_optim._megatron.in_step`) or derived from the
-optimizer's state by each leaf's rule (:mod:`norm_optim._megatron.rules`); after the step, the
-weights and the Adam moments are summed over the same slots, and the five vectors travel as one
-packet.
+chunk, Muon's per-param hooks: :mod:`norm_optim._megatron.optimizers.in_step`) or derived from the
+optimizer's state by each leaf's rule (:mod:`norm_optim._megatron.optimizers.rules`); after the
+step, the weights and the Adam moments are summed over the same slots, and the five vectors travel
+as one packet.
 
 What is known before any step (which tensor each counted record is, its rule, the reader of
 each torch optimizer's updates and its scratch layout) is a :class:`StepPlan`, built once per registry from its
@@ -23,17 +23,17 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ._comm import Done, Work
-from ._bound_grads import BoundGrads
-from ._errors import NormOptimError, UnsupportedOptimizerError
-from ._kernels import SumOfSquaresPlan
-from ._megatron.descriptor import clip_group_of, separate_clip_groups
-from ._megatron.in_step import StepReader
-from ._megatron.update_rule import Counted, Stepped
-from ._megatron.step_state import run_step
-from ._norm import NamedNorms, NormReducer, ParamNorms, PendingNorms
-from ._watch import Watch
-from ._watch_signals import JudgedStep
+from .._comm import Done, Work
+from .bound_grads import BoundGrads
+from .._errors import NormOptimError, UnsupportedOptimizerError
+from .._kernels import SumOfSquaresPlan
+from .._megatron.optimizers.descriptor import clip_group_of, separate_clip_groups
+from .._megatron.optimizers.in_step import StepReader
+from .._megatron.optimizers.update_rule import Counted, Stepped
+from .._megatron.optimizers.step_state import run_step
+from .._norms.reducer import NamedNorms, NormReducer, ParamNorms, PendingNorms
+from .watch import Watch
+from .watch_signals import JudgedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +324,8 @@ class StepMeasurement:
     def _update_squares(self) -> torch.Tensor:
         """Sums of squares of the updates (zero for a skipped step): read in the step or
         derived after it, a few list operations per chunk of one scratch of the byte budget
-        (:mod:`norm_optim._megatron.in_step`): the scratch is all the update memory alive at
-        once."""
+        (:mod:`norm_optim._megatron.optimizers.in_step`): the scratch is all the update memory alive
+        at once."""
         reducer, per_param = self.reducer, self.per_param
         squares = torch.zeros(
             reducer.num_slots(per_param), dtype=torch.float64, device=reducer.device
@@ -338,9 +338,9 @@ class StepMeasurement:
 
 class WatchedGrads:
     """What a watched step sums: its grads (unscaled, before clipping), per param, in one
-    all-reduce of the per-param slot vector, judged by the :class:`~norm_optim._watch.Watch`
+    all-reduce of the per-param slot vector, judged by the :class:`~norm_optim._step.watch.Watch`
     on the device. Built once per reducer; the grads are read through views of the buffers
-    they live in (:class:`~norm_optim._bound_grads.BoundGrads`), bound at the first watched
+    they live in (:class:`~norm_optim._step.bound_grads.BoundGrads`), bound at the first watched
     step, so a step's ops do not grow with the number of params.
 
     Args:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .._patching import attributes_set
+from ..._patching import attributes_set
 
 
 def run_step(

@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
-from ._comm import Communicator, Done, ProcessGroup, Work
-from ._errors import NormOptimError
-from ._kernels import DeviceIndices, SumOfSquaresPlan
-from ._name_exchange import exchange_names
-from ._megatron.naming import expert_of, layer_of, natural_key
-from ._registry import CountedRecord, ParamRecord, ParamRegistry
-from ._vocabulary import NotCounted
+from .._comm import Communicator, Done, ProcessGroup, Work
+from .._errors import NormOptimError
+from .._kernels import DeviceIndices, SumOfSquaresPlan
+from .names import exchange_names
+from .._megatron.naming import expert_of, layer_of, natural_key
+from .registry import CountedRecord, ParamRecord, ParamRegistry
+from .._counting.vocabulary import NotCounted
 
 T = TypeVar("T")
 
@@ -287,7 +287,7 @@ class NormReducer:
         self._kept_plans = _KeptPlans()
 
     def step_plan(self, per_param: bool, build: Callable[["NormReducer", bool], T]) -> T:
-        """The step plan of this registry (:class:`norm_optim._step.StepPlan`), built by
+        """The step plan of this registry (:class:`norm_optim._step.measurement.StepPlan`), built by
         ``build`` at the first armed step and kept as long as the registry."""
         plan = self._step_plans.get(per_param)
         if plan is None:
@@ -374,7 +374,7 @@ class NormReducer:
         """Build (once) the plan with one slot per layout-independent param name.
 
         The names of all ranks are exchanged once, by every rank on its first per-param call
-        (:func:`~norm_optim._name_exchange.exchange_names`: only distinct name lists travel), so
+        (:func:`~norm_optim._norms.names.exchange_names`: only distinct name lists travel), so
         that slot ``i`` means the same param everywhere.
         """
         if self._per_param_plan is None:

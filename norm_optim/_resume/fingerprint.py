@@ -11,7 +11,7 @@ in **one** all-reduce of a ``[params x states, 9]`` float64 table (each 64-bit h
 load at TP1 x DP4 give the same fingerprints when, and only when, every element at every global
 position is bitwise the same. Bytes per rank grow with the params, never with the world.
 
-:func:`~norm_optim._resume_report.verify_resume` says what differs and, where it can tell,
+:func:`~norm_optim._resume.report.verify_resume` says what differs and, where it can tell,
 why.
 """
 
@@ -24,13 +24,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ._comm import Communicator, ProcessGroup
-from ._errors import UnsupportedOptimizerError
-from ._kernels.position_hash import DTYPE_CODES, hash_and_squares
-from ._megatron.holdings import local
-from ._megatron.placement import megatron_fsdp_shards, placement_of
-from ._norm import EXPERT, NormReducer
-from ._ownership import RankCoords
+from .._comm import Communicator, ProcessGroup
+from .._errors import UnsupportedOptimizerError
+from .._kernels.position_hash import DTYPE_CODES, hash_and_squares
+from .._megatron.optimizers.holdings import local
+from .._megatron.placement import megatron_fsdp_shards, placement_of
+from .._norms.reducer import EXPERT, NormReducer
+from .._counting.ownership import RankCoords
 
 PARAM, MAIN = "param", "main_param"
 STATES: tuple[str, ...] = (

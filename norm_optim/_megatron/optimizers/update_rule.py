@@ -14,10 +14,10 @@ from typing import Any, Callable, Hashable, Optional, TypeVar
 
 import torch
 
-from .._errors import NormOptimError
+from ..._errors import NormOptimError
 from .holdings import local
 from .in_step import StepReader, StoredDifferences, step_name
-from .._patching import attributes_set
+from ..._patching import attributes_set
 
 
 @dataclasses.dataclass(frozen=True)

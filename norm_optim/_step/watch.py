@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._watch_config import WatchConfig as WatchConfig
-from ._watch_signals import (
+from .watch_config import WatchConfig as WatchConfig
+from .watch_signals import (
     BEST,
     EXCESS,
     LAYER,

@@ -5,7 +5,7 @@ responsible for: the fp32 tensor this rank holds for it (a full main param, this
 it, the fp32 param itself, or a :class:`~norm_optim._kernels.RemainderMaster` when Transformer
 Engine keeps the fp32 master as bf16 param + int16 remainder) or ``None`` when another rank holds
 it. Readers only say *what* is held; whether this rank counts it is decided in
-:mod:`norm_optim._ownership`.
+:mod:`norm_optim._counting.ownership`.
 
 Kinds are recognised by the attributes megatron-core gives them (duck typing), so subclasses and
 newer megatron-core releases keep working; an optimizer we cannot read is an error naming its
@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .._comm import Communicator
-from .._errors import UnsupportedOptimizerError
-from .._kernels import RemainderMaster, Summand
-from .._versions import megatron_core_version_string
-from .._vocabulary import Source
-from .dtensor import local_holding
-from .fsdp import is_megatron_fsdp, read_megatron_fsdp
-from .fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
+from ..._comm import Communicator
+from ..._errors import UnsupportedOptimizerError
+from ..._kernels import RemainderMaster, Summand
+from ..._versions import megatron_core_version_string
+from ..._counting.vocabulary import Source
+from ..dtensor import local_holding
+from ..fsdp import is_megatron_fsdp, read_megatron_fsdp
+from ..fsdp_v2 import is_megatron_fsdp_v2, read_megatron_fsdp_v2
 from .descriptor import (
     LeafDescriptor,
     OptimizerDescriptor,
@@ -54,8 +54,9 @@ class _Context:
 def describe_optimizer(optimizer: Any, comm: Communicator) -> OptimizerDescriptor:
     """The :class:`~.descriptor.OptimizerDescriptor` of ``optimizer``: one record per leaf, and
     every :class:`Holding` in optimizer order, DTensors (torch FSDP2) as their local shards with
-    their mesh facts (:mod:`.dtensor`). One optimizer over one set of process groups: a
-    ``MimoOptimizer``'s modules are read one level up (:mod:`.mimo`)."""
+    their mesh facts (:mod:`~norm_optim._megatron.dtensor`). One optimizer over one set of process
+    groups: a ``MimoOptimizer``'s modules are read one level up
+    (:mod:`~norm_optim._megatron.mimo`)."""
     if is_megatron_fsdp_v2(optimizer):  # before v1: a v2 config says use_megatron_fsdp too
         # FullyShardedOptimizer steps DTensors whose local shards are the registry's fp32 views
         # of its parameter groups' main-weight buffers; prepare_grads() casts their DTensor
@@ -85,8 +86,8 @@ def read_optimizer_holdings(optimizer: Any, comm: Communicator) -> list[Holding]
 
 def fingerprint(optimizer: Any) -> tuple:
     """A cheap (O(param groups)) summary that changes when an optimizer replaces its tensors
-    (see :mod:`norm_optim._staleness` for what it is for and its limit): per leaf, the leaf and
-    its torch optimizer, each param group's list and length, where its first and last param (and
+    (see :mod:`norm_optim._norms.staleness` for what it is for and its limit): per leaf, the leaf
+    and its torch optimizer, each param group's list and length, where its first and last param (and
     their precision-aware master weights) keep their data, and how much optimizer state exists."""
     parts: list[Any] = []
     for leaf in leaves(optimizer):

@@ -13,8 +13,8 @@ subtraction (≤ 2⁻²⁴ of it).
 
 Who calls :meth:`StoredDifferences.begin` / :meth:`~StoredDifferences.end` is the rule's
 business: Muon's per-param hooks (:mod:`.orthogonalized`), or torch's Adam / SGD step run chunk
-by chunk (:class:`~norm_optim._megatron.update_rule.UpdateReader`). The pairing is checked as the step
-runs: a step that breaks it is an error, never a number.
+by chunk (:class:`~norm_optim._megatron.optimizers.update_rule.UpdateReader`). The pairing is
+checked as the step runs: a step that breaks it is an error, never a number.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, ContextManager, Optional, Protocol
 
 import torch
 
-from .._errors import NormOptimError
-from .._kernels.chunks import Chunk, ChunkedSquares
+from ..._errors import NormOptimError
+from ..._kernels.chunks import Chunk, ChunkedSquares
 
 
 class StepReader(Protocol):

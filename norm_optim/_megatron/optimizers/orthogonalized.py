@@ -6,8 +6,9 @@ a shape-dependent scale), plus a weight-decay term. ``NS`` is an iteration of ma
 a TP all-gather): it cannot be re-derived exactly from the state after the step, and its result
 is not stored. What the optimizer does store, param by param, is the weight itself: so for the
 armed step, the leaf's per-param hooks are wrapped and each tensor's ``θ_after − θ_before`` is
-read there, one tensor at a time (:class:`~norm_optim._megatron.in_step.StoredDifferences`: the
-extra memory is one copy of the largest tensor this rank counts, freed after the step).
+read there, one tensor at a time
+(:class:`~norm_optim._megatron.optimizers.in_step.StoredDifferences`: the extra memory is one copy
+of the largest tensor this rank counts, freed after the step).
 
 Read in ``emerging_optimizers`` 0.3.0 (``orthogonalized_optimizers/orthogonalized_optimizer.py``
 ``OrthogonalizedOptimizer.step`` and ``adaptive_muon.py`` ``AdaptiveMuon.step``) and
@@ -37,7 +38,7 @@ import torch
 
 from .holdings import local
 from .in_step import StoredDifferences, step_name
-from .._patching import attributes_set
+from ..._patching import attributes_set
 
 # The step functions read (``module.qualname``); a subclass that replaces ``step`` is another
 # rule, refused by name.

@@ -1,8 +1,8 @@
 """What an optimizer leaf holds for a model param (:class:`Holding`), the leaves, and the model
 chunks they were built for.
 
-Shared by the optimizer readers (:mod:`.optimizers`) and Megatron-FSDP's (:mod:`.fsdp`),
-so that neither imports the other for it.
+Shared by the optimizer readers (:mod:`.kinds`) and Megatron-FSDP's
+(:mod:`~norm_optim._megatron.fsdp`), so that neither imports the other for it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .._errors import UnsupportedOptimizerError
-from .._kernels import Summand
-from .._ownership import RankCoords
-from .._vocabulary import Source
+from ..._errors import UnsupportedOptimizerError
+from ..._kernels import Summand
+from ..._counting.ownership import RankCoords
+from ..._counting.vocabulary import Source
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from ._resume import MOMENTS, PARAM, SCALARS, STATES, Entry, StateFingerprint
+from .fingerprint import MOMENTS, PARAM, SCALARS, STATES, Entry, StateFingerprint
 
 SHOWN = 16
 """How many differing (param, state) pairs a report names (the rest are counted)."""

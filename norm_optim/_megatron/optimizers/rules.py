@@ -6,7 +6,7 @@ moments (or momentum), and what did the step change (``θ_after − θ_before``)
 the optimizer holds *after* the step so that no copy of the weights is ever kept. Each rule
 works on a list of tensors at once with ``torch._foreach_*`` operations (one kernel per list on
 an accelerator), writing into the views it is given: the caller sizes the lists by bytes
-(:mod:`norm_optim._step`).
+(:mod:`norm_optim._step.measurement`).
 
 :data:`RULES` maps an optimizer class (by its qualified name) to a builder; a builder returns an :class:`UpdateRule`, or a :class:`Refused`
 with the exact reason the step of that use cannot be derived. A new optimizer is one new rule

@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._comm import Communicator, ProcessGroup
-from ._findings import KINDS, REPORT_CAP, Finding
-from ._reduced import CLASSES, INT64_MAX, pack_norm, ranks_of, unpack_norm
+from .._comm import Communicator, ProcessGroup
+from .findings import KINDS, REPORT_CAP, Finding
+from .agreement import CLASSES, INT64_MAX, pack_norm, ranks_of, unpack_norm
 
 SLOTS = 128  # a power of two: a slot is 7 bits of the key
 ROUNDS = 8  # 8 × 7 bits of a 63-bit key

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ._comm import Communicator, ProcessGroup
+from .._comm import Communicator, ProcessGroup
 
 INT64_MAX = (1 << 63) - 1
 SIDES = 3  # values equal to the smallest, equal to the largest, any other

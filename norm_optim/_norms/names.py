@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ._comm import Communicator, ProcessGroup
-from ._errors import NormOptimError
+from .._comm import Communicator, ProcessGroup
+from .._errors import NormOptimError
 
 Names = list[tuple[str, bool]]  # (layout-independent name, expert)
 

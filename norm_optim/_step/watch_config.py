@@ -1,5 +1,5 @@
 """How the watch decides that a value is a spike: :class:`WatchConfig` (what ``watch()`` and
-``install(watch=...)`` take; the watch itself is :mod:`norm_optim._watch`)."""
+``install(watch=...)`` take; the watch itself is :mod:`norm_optim._step.watch`)."""
 
 from __future__ import annotations
 

@@ -40,10 +40,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .._kernels import RemainderMaster
-from .._kernels.chunks import default_budget
+from ..._kernels import RemainderMaster
+from ..._kernels.chunks import default_budget
 from .holdings import local, qualified_name
-from .._patching import attributes_set
+from ..._patching import attributes_set
 from .fused_adam import TE_FUSED_ADAM, adam_w_mode, moments_not_in, unread_flags
 from .update_rule import Counted, Refused, Stepped, UpdateRule
 

@@ -2,13 +2,13 @@
 is built.
 
 A :class:`LeafDescriptor` says what a leaf is (its kind), what it holds for each model param
-(its :class:`~norm_optim._megatron.holdings.Holding` list: mains, shards or nothing), where the
-grads of its step are, its update rule with the hyper-parameters it reads (or the exact reason
-no exact rule exists), its moments and their dtype, and the group its copies are spread over.
+(its :class:`~norm_optim._megatron.optimizers.holdings.Holding` list: mains, shards or nothing),
+where the grads of its step are, its update rule with the hyper-parameters it reads (or the exact
+reason no exact rule exists), its moments and their dtype, and the group its copies are spread over.
 An :class:`OptimizerDescriptor` gathers the leaves of one wrapped optimizer with what is true of
 the whole (a layout whose step or copies cannot be read). Holdings, step norms and the audit
 read these records; none of them classifies an optimizer again. The readers that build them are
-in :mod:`.optimizers` (one per kind); the rules in :mod:`.rules` (one per optimizer class).
+in :mod:`.kinds` (one per kind); the rules in :mod:`.rules` (one per optimizer class).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from .._comm import ProcessGroup
-from .._errors import UnsupportedOptimizerError
-from .._versions import megatron_core_version_string
-from .._kernels import RemainderMaster
+from ..._comm import ProcessGroup
+from ..._errors import UnsupportedOptimizerError
+from ..._versions import megatron_core_version_string
+from ..._kernels import RemainderMaster
 from .holdings import Holding, is_precision_aware, local, qualified_name
 from .precision_aware import master_rule, master_stepped
 from .rules import rule_for

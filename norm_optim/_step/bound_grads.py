@@ -24,10 +24,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ._kernels import DeviceIndices, SumOfSquaresPlan
-from ._kernels.segments import Segment, SegmentedSquares
-from ._megatron.grad_buffers import in_grad_buffer
-from ._megatron.update_rule import Stepped
+from .._kernels import DeviceIndices, SumOfSquaresPlan
+from .._kernels.segments import Segment, SegmentedSquares
+from .._megatron.grad_buffers import in_grad_buffer
+from .._megatron.optimizers.update_rule import Stepped
 
 
 @dataclasses.dataclass
@@ -45,7 +45,8 @@ class BoundGrads:
     """Per-slot float64 sums of squares of the grads of ``entries`` at each call.
 
     Args:
-        entries: the :class:`~norm_optim._megatron.update_rule.Stepped` of each counted tensor
+        entries: the :class:`~norm_optim._megatron.optimizers.update_rule.Stepped` of each counted
+        tensor
             (None: nothing to read, a frozen param).
         params: the model param of each (whose DDP buffer its grad may be a view of).
         slots: the slot each grad adds into.

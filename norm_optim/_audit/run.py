@@ -1,7 +1,7 @@
 """The audit: are the copies the counting rule skips really equal, and are the weights current?
 
 The counting rule counts one copy of every element and *assumes* the copies it skips are equal
-(:class:`~norm_optim._ownership.Copies`): data- and context-parallel replicas, expert-data-
+(:class:`~norm_optim._counting.ownership.Copies`): data- and context-parallel replicas, expert-data-
 parallel replicas, (expert-)TP duplicates of what TP does not split, tied copies, and on every
 rank the model weight that is the rounding of the fp32 main (or main shard) it holds. When one
 breaks, the norm and the training are silently wrong. :func:`run_audit` checks them all:
@@ -13,9 +13,9 @@ breaks, the norm and the training are silently wrong. :func:`run_audit` checks t
 2. per group of copies (:class:`~norm_optim._megatron.audit.AuditLayout`): an all-reduce MIN /
    MAX of the param count, then of a ``[params, 4]`` table (name digest, weight key, main range,
    main key): a copy differs where MIN != MAX. Only for those, a vote
-   (:func:`norm_optim._reduced.vote`: one SUM, one MIN) names the majority side and the ranks
-   off it. Every member derives the same findings from the same reduced values;
-3. the findings travel to every rank as fixed-size records (:mod:`norm_optim._audit_exchange`),
+   (:func:`norm_optim._audit.agreement.vote`: one SUM, one MIN) names the majority side and the
+   ranks off it. Every member derives the same findings from the same reduced values;
+3. the findings travel to every rank as fixed-size records (:mod:`norm_optim._audit.exchange`),
    one contribution per copy group (its first rank) and per stale rank: one all-reduce when
    there is nothing to tell.
 
@@ -31,13 +31,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._audit_exchange import share_findings
-from ._comm import Communicator, ProcessGroup
-from ._findings import AuditError, AuditReport, Finding, FindingKind
-from ._kernels.fingerprint import GOLDEN, FingerprintPass, largest_difference, stale_elements
-from ._megatron.audit import AuditLayout
-from ._reduced import Verdict, min_max, vote
-from ._registry import ParamRecord
+from .exchange import share_findings
+from .._comm import Communicator, ProcessGroup
+from .findings import AuditError, AuditReport, Finding, FindingKind
+from .._kernels.fingerprint import GOLDEN, FingerprintPass, largest_difference, stale_elements
+from .._megatron.audit import AuditLayout
+from .agreement import Verdict, min_max, vote
+from .._norms.registry import ParamRecord
 
 __all__ = ["AuditError", "AuditReport", "Finding", "FindingKind", "run_audit"]
 
