@@ -63,4 +63,4 @@ __getattr__ = moved_names(
     },
 )
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
