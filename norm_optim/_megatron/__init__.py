@@ -3,33 +3,8 @@
 Everything below it (ownership, registry, kernels, the reduction) is plain logic over the data it
 returns, testable without Megatron. A new megatron-core release should mean a change here only.
 
-- :mod:`.optimizers` — the adapter's optimizers: kinds, descriptors, update rules, in-step reads;
-  its modules:
-- :mod:`.optimizers.holdings` — :class:`Holding` (what a leaf holds for a model param, and over
-  which group) and :func:`leaves`, shared by the readers below.
-- :mod:`.optimizers.descriptor` — one record per leaf optimizer (kind, holdings, where its grads
-  are, its update rule or the reason there is none, its moments, its copy group), built once with
-  the registry: holdings, step norms and the audit read it.
-- :mod:`.optimizers.rules` — the table of update-rule builders by optimizer class (a new optimizer:
-  one rule, one entry), and Muon's rule.
-- :mod:`.optimizers.update_rule` — what a rule is (:class:`UpdateRule`, given ``Stepped`` tensors,
-  or ``Refused``) and the reader that runs a torch step chunk by chunk (``UpdateReader``).
-- :mod:`.optimizers.torch_rules` — torch's ``Adam`` / ``AdamW`` and ``SGD`` rules.
-- :mod:`.optimizers.fused_adam` — apex's and Transformer Engine's ``FusedAdam`` in fp32 use: the
-  flags read, the rule and its builder.
-- :mod:`.optimizers.in_step` — updates read as the difference a step stored
-  (``θ_after − θ_before``), a chunk at a time in one scratch: torch's Adam / SGD run chunk by chunk,
-  Muon's per-param hooks.
-- :mod:`.optimizers.orthogonalized` — Muon and the emerging optimizers: their update read during the
-  step (``θ_after − θ_before`` per tensor, at the optimizer's own per-param hooks).
-- :mod:`.optimizers.precision_aware` — Transformer Engine's ``FusedAdam`` with master weights (the
-  precision-aware optimizer): its update derived from what its step reads.
-- :mod:`.optimizers.step_state` — :func:`run_step`: inside one ``step()``, when the grads are ready,
-  the watch's veto, and whether the step was applied (every release's ``prepare_grads`` /
-  ``step_with_ready_grads``).
-- :mod:`.optimizers.kinds` — what each optimizer kind holds for each model param: chained,
-  distributed (incl. precision-aware and CPU offload), Float16, FP32, layer-wise, plain torch;
-  kinds it cannot read are refused by class, with the version; it builds the descriptors.
+- :mod:`.optimizers` — the adapter's optimizers: kinds, descriptors, update rules, in-step reads
+  (its modules are listed there).
 - :mod:`.grad_buffers` — whether a step's grad is a view of the DDP grad buffer that holds its
   param's ``main_grad`` (what the watch binds its read to, once).
 - :mod:`.fsdp` — Megatron-FSDP: its fp32 main-weight shards in its buffers, and the DTensor
