@@ -66,10 +66,11 @@ class ParamNorms:
     """Global L2 norms of the model's weights (0-dim float64 tensors on the reduction device).
 
     ``dense**2 + expert**2 == total**2``. With ``per_param``: one norm per layout-independent
-    param name, and the rollups ``per_layer`` (by global layer, :func:`~norm_optim._megatron.naming.
-    layer_of`) and ``per_expert`` (by ``<layer>.<expert>``, :func:`~norm_optim._megatron.naming.expert_of`),
-    each the square root of a sum of per-param squares from the same all-reduce. Reading a value
-    (``float(norms.total)``) is the only host sync.
+    param name, and the rollups ``per_layer`` (by global layer,
+    :func:`~norm_optim._megatron.naming.layer_of`) and ``per_expert`` (by ``<layer>.<expert>``,
+    :func:`~norm_optim._megatron.naming.expert_of`), each the square root of a sum of per-param
+    squares from the same all-reduce. Reading a value (``float(norms.total)``) is the only host
+    sync.
     """
 
     total: torch.Tensor
