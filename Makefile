@@ -44,6 +44,9 @@ BRIDGE_STAMP := $(BRIDGE_VENV)/.norm_optim-installed
 # megatron-core versions"); LEG_TESTS=tests runs the whole suite. Not in it: test_harness.py
 # (under every other test already, 30-40 s a leg alone), test_counting_rule.py and
 # test_install_options.py (no megatron-core), test_megatron_fsdp_v2.py (main only), Bridge.
+# The in-between lines (0.15, 0.18) each run one of two disjoint halves of the subset
+# (SHARE_<line>, pytest --share: by a hash of each test's id), so that together they run all of
+# it; the lines at either end of each Python (0.14 and 0.16; 0.17 and 0.19) and main run it whole.
 LINES      := 0.14 0.15 0.17 0.18
 MCORE_0.14 := 0.14.0
 MCORE_0.15 := 0.15.3
@@ -53,6 +56,8 @@ BASE_0.14  := .venv
 BASE_0.15  := .venv
 BASE_0.17  := .venv-latest
 BASE_0.18  := .venv-latest
+SHARE_0.15 := 0/2
+SHARE_0.18 := 1/2
 LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdowns.py \
               tests/test_transparency.py tests/test_staleness.py tests/test_checkpoint.py \
               tests/test_optimizer_kinds.py tests/test_hangs.py tests/test_errors.py \
@@ -95,6 +100,9 @@ MCORE_MAIN ?= $(lastword $(sort $(wildcard ../shared/megatron-main/megatron_core
 MAIN_VENV  ?= .venv-main
 MAIN_STAMP := $(MAIN_VENV)/.norm_optim-installed
 MAIN_FROM  := $(MAIN_VENV)/.megatron-core-source
+# What it runs: the subset and what only main has (Megatron-FSDP v2); MAIN_TESTS=tests runs the
+# whole suite.
+MAIN_TESTS ?= $(LEG_TESTS) tests/test_megatron_fsdp_v2.py
 
 # $(call copy-env,BASE,NEW): NEW becomes a copy of the environment BASE (.venv or .venv-latest,
 # made first), without BASE's stamp. Hard links where the file system has them (seconds, no
@@ -108,6 +116,7 @@ define copy-env
 endef
 
 .PHONY: train test lint bench gpu-check setup train-latest test-latest bench-latest test-bridge
+.PHONY: setup-latest
 .PHONY: $(LINES:%=test-%) test-main mcore-main $(TORCH_LEGS:%=test-torch-%) test-torch-newest
 
 setup: $(STAMP)
@@ -138,7 +147,7 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
-train-latest test-latest bench-latest:
+train-latest test-latest bench-latest setup-latest:
 	$(MAKE) $(@:-latest=) $(LATEST) ARGS='$(ARGS)' SKIP_ONCE='$(SKIP_ONCE)'
 
 $(BRIDGE_STAMP): setup.cfg pyproject.toml
@@ -158,7 +167,7 @@ $(LINES:%=.venv-%/.norm_optim-installed): .venv-%/.norm_optim-installed: setup.c
 	touch $@
 
 $(LINES:%=test-%): test-%: .venv-%/.norm_optim-installed
-	.venv-$*/bin/python -m pytest -q $(LEG_TESTS) $(ARGS)
+	.venv-$*/bin/python -m pytest -q $(LEG_TESTS) $(if $(SHARE_$*),--share=$(SHARE_$*)) $(ARGS)
 
 $(TORCH_LEGS:%=.venv-torch-%/.norm_optim-installed): .venv-torch-%/.norm_optim-installed: \
     setup.cfg pyproject.toml
@@ -188,7 +197,7 @@ test-main:
 	  $(MAIN_VENV)/bin/python -m pip install -q --no-deps --force-reinstall "$(MCORE_MAIN)" \
 	    && echo "$(MCORE_MAIN)" > $(MAIN_FROM); \
 	fi
-	$(MAIN_VENV)/bin/python -m pytest -q $(ONCE_IGNORED) $(ARGS)
+	$(MAIN_VENV)/bin/python -m pytest -q $(MAIN_TESTS) $(ARGS)
 
 # What make test-main installs (empty: nothing found; .ci/run then skips it).
 mcore-main:
