@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 CASES = {  # name: TinyGPTConfig fields
@@ -40,17 +41,18 @@ QUICK = ("h64-l2",)
 # more), and MoE layers of many experts (2 tensors per expert): what grows with the number of
 # tensors shows there, where each tensor is cheap.
 _SMALL = dict(hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8)
+_TINY = dict(_SMALL, hidden_size=4, num_attention_heads=1, ffn_hidden_size=16)
 TENSOR_CASES = {
     "layers-8": dict(_SMALL, num_layers=8),
     "layers-83": dict(_SMALL, num_layers=83),
     "layers-833": dict(_SMALL, num_layers=833),
     "moe-8x64": dict(_SMALL, num_layers=8, num_experts=64, moe_ffn_hidden_size=16),
     "moe-8x640": dict(_SMALL, num_layers=8, num_experts=640, moe_ffn_hidden_size=16),
-    # 10,000 tensors of ~20 elements (hidden 4): what the watch's kernels read is ~0 there, so
-    # its host time is the per-call work that must not grow with the tensor count.
-    "layers-833-h4": dict(
-        _SMALL, hidden_size=4, num_attention_heads=1, ffn_hidden_size=16, num_layers=833
-    ),
+    # Tensors of ~20 elements (hidden 4): 100 of them, where the watch's kernels read ~nothing, so
+    # its time there is its host work (the ops' dispatch and its Python calls, both counted and
+    # the same at 10,000 tensors); and 10,000, where on a CPU its kernels add what they read.
+    "layers-8-h4": dict(_TINY, num_layers=8),
+    "layers-833-h4": dict(_TINY, num_layers=833),
 }
 # Megatron clips the grads in place and these cases re-run the step on the same grads: at the
 # default clip_grad the norm then hovers at the threshold, and some steps scale every grad (two
@@ -82,6 +84,27 @@ def aten_ops(fn: Callable[[], Any]) -> int:
     with Count():
         fn()
     return Count.ops
+
+
+def python_calls(fn: Callable[[], Any]) -> int:
+    """How many Python and builtin function calls ``fn`` makes (``sys.setprofile``): with
+    :func:`aten_ops`, the host work of a call that is not kernel work. On an accelerator, where
+    kernels run asynchronously, a call whose ops and Python calls are both flat in the tensor
+    count takes a flat host time."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return calls
 
 
 def _pairs(
@@ -297,6 +320,7 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     watch = optimizer.watch()
     plain()  # the first watched step binds its reads
     ops["watched"] = aten_ops(plain)
+    calls = {"watched": python_calls(plain)}
     state = optimizer._state
 
     def unwatched() -> None:
@@ -318,6 +342,8 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
         observed_step(idle, None, optimizer._watched_grads(optimizer._current_reducer()))
 
     watch_host_s = min(_median(watch_only) for _ in range(3))
+    calls["plain"] = python_calls(unwatched)
+    calls["watch_only"] = python_calls(watch_only)
     armed_s, armed_ratio = _paired(unwatched, armed)
     assert watch.poll() == (), "a clean benchmark run must not alarm"
     tensors = len(optimizer.registry.counted)
@@ -327,6 +353,9 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
         "aten_ops_plain_step": ops["plain"],
         "extra_aten_ops_watched_step": ops["watched"] - ops["plain"],
         "extra_aten_ops_per_tensor_armed_per_param": (ops["armed"] - ops["plain"]) / tensors,
+        "python_calls_plain_step": calls["plain"],
+        "extra_python_calls_watched_step": calls["watched"] - calls["plain"],
+        "python_calls_watch_only": calls["watch_only"],
         "aten_ops_param_l2_norms_per_param": ops["per_param"],
         "plain_step_s": statistics.median(p for _, p in pairs),
         "watched_step_s": statistics.median(w for w, _ in pairs),
@@ -341,19 +370,20 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _tensor_rows(quick: bool) -> list[dict[str, Any]]:
+def _tensor_rows(quick: bool, only: Sequence[str] = ()) -> list[dict[str, Any]]:
     from norm_optim.testing import run_ranks
 
     rows = []
     for name, fields in TENSOR_CASES.items():
-        if quick and name not in QUICK_TENSORS:
+        if (quick and name not in QUICK_TENSORS) or (only and name not in only):
             continue
         (row,) = run_ranks(_tensor_case, 1, fields, timeout=1800)
         rows.append({"case": name, **row})
         print(
             f"{name}: {row['tensors']} tensors, plain {row['plain_step_s'] * 1e3:.3g} ms "
             f"({row['aten_ops_plain_step']} ops); watched +{row['extra_aten_ops_watched_step']} "
-            f"ops, +{row['watched_minus_plain_s'] * 1e3:.2f} ms ({row['watched_over_plain']:.2f}x; "
+            f"ops, +{row['extra_python_calls_watched_step']} Python calls, "
+            f"+{row['watched_minus_plain_s'] * 1e3:.2f} ms ({row['watched_over_plain']:.2f}x; "
             f"its read alone {row['watch_read_s'] * 1e3:.2f} ms, all it adds on an idle step "
             f"{row['watch_host_s'] * 1e3:.2f} ms)"
             f"; armed per-param +{row['extra_aten_ops_per_tensor_armed_per_param']:.2f} ops per "
@@ -375,16 +405,23 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help=f"the cases by tensor count instead ({', '.join(TENSOR_CASES)})",
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        choices=[*CASES, *TENSOR_CASES],
+        help="only this case (repeatable)",
+    )
     args = parser.parse_args(argv)
     if args.tensors:
-        rows = _tensor_rows(args.quick)
+        rows = _tensor_rows(args.quick, args.case)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
         return
     rows = []
     for name, fields in CASES.items():
-        if args.quick and name not in QUICK:
+        if (args.quick and name not in QUICK) or (args.case and name not in args.case):
             continue
         (row,) = run_ranks(_case, 1, fields, timeout=600)
         rows.append({"case": name, **row})

@@ -170,6 +170,9 @@ def test_step_norms_benchmark_by_tensor_count(tmp_path: pathlib.Path) -> None:
         "aten_ops_plain_step",
         "extra_aten_ops_watched_step",
         "extra_aten_ops_per_tensor_armed_per_param",
+        "python_calls_plain_step",
+        "extra_python_calls_watched_step",
+        "python_calls_watch_only",
         "aten_ops_param_l2_norms_per_param",
         "plain_step_s",
         "watched_step_s",
@@ -184,4 +187,5 @@ def test_step_norms_benchmark_by_tensor_count(tmp_path: pathlib.Path) -> None:
     }
     assert row["tensors"] == 100
     assert 0 < row["extra_aten_ops_watched_step"] <= 32
+    assert 0 < row["extra_python_calls_watched_step"] < row["python_calls_plain_step"]
     assert 0 < row["extra_aten_ops_per_tensor_armed_per_param"] <= 4

@@ -2,9 +2,11 @@
 tensors, and the bound read of the grads is exact.
 
 The watch runs on every step, so what it adds to a step is counted in aten ops (torch's
-dispatch mode: counts are deterministic, times are not) on the real megatron-core optimizers,
-for the tiny GPT at two depths, 100 and 1,000 param tensors: the extra ops are at most
-:data:`MAX_EXTRA_OPS` at both, and differ by at most the pair of ops of one more read path;
+dispatch mode: counts are deterministic, times are not) and in Python calls (``sys.setprofile``:
+the host work that is not kernel work), on the real megatron-core optimizers, for the tiny GPT at
+two depths, 100 and 1,000 param tensors: the extra ops are at most :data:`MAX_EXTRA_OPS` at both,
+and differ by at most the pair of ops of one more read path; the extra Python calls differ by at
+most :data:`CALLS_SLACK` (the plain step's grow tenfold);
 ``param_l2_norms(per_param=True)`` makes the same number of ops at both. The bound read (views
 of Megatron's DDP grad buffers) is compared, slot by slot, with the per-tensor sums of the same
 grads.
@@ -18,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.step_norms import NEVER_CLIPS, aten_ops
+from benchmarks.step_norms import NEVER_CLIPS, aten_ops, python_calls
 from norm_optim import NormAwareOptimizer
 from norm_optim.testing import init_parallel, run_ranks
 from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
@@ -26,6 +28,9 @@ from tests.support.layouts import SMALL, SMALL_MOE, Layout
 
 MAX_EXTRA_OPS = 32
 MAX_PER_PARAM_OPS = 48
+# The Python calls a watched step adds may differ by the read path a layout takes (a few calls),
+# never by a count per tensor (the plain step makes ~100 per tensor).
+CALLS_SLACK = 16
 # Hidden 16 with biases: 12 tensors per layer and 4 more (embeddings, final norm).
 MANY_SMALL = TinyGPTConfig(
     hidden_size=16, num_layers=8, num_attention_heads=2, vocab_size=32, seq_length=8
@@ -49,16 +54,23 @@ def _extra_ops(dist_opt: bool) -> dict[int, dict[str, int]]:
         per_param = lambda: float(optimizer.param_l2_norms(per_param=True).total)  # noqa: E731
         per_param()  # the names exchange
         norms_ops = aten_ops(per_param)
-        optimizer.watch()
+        watch = optimizer.watch()
         optimizer.step()  # the first watched step binds its reads
         watched = aten_ops(optimizer.step)
+        watched_calls = python_calls(optimizer.step)
         loose = optimizer._state.watched_grads.grads.loose
+        optimizer.unwatch()
+        optimizer.step()
+        plain_calls = python_calls(optimizer.step)
         out[tensors] = {
             "plain": plain,
             "extra": watched - plain,
             "loose": loose,
             "per_param": norms_ops,
+            "plain_calls": plain_calls,
+            "extra_calls": watched_calls - plain_calls,
         }
+        assert watch.poll() == ()
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
@@ -78,6 +90,10 @@ def test_a_watched_step_adds_the_same_ops_at_100_and_1000_tensors(dist_opt: bool
     assert abs(extra[1000] - extra[100]) <= 2, seen
     assert all(s["loose"] == 0 for s in seen.values()), seen  # every grad read in place
     assert seen[1000]["plain"] > 5 * seen[100]["plain"], seen  # the plain step does grow
+    # The host work besides the ops: flat too.
+    calls = {n: s["extra_calls"] for n, s in seen.items()}
+    assert calls[100] > 0 and abs(calls[1000] - calls[100]) <= CALLS_SLACK, seen
+    assert seen[1000]["plain_calls"] > 5 * seen[100]["plain_calls"], seen
 
 
 LAYOUTS = {
