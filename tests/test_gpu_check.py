@@ -260,3 +260,25 @@ def test_cpu_dry_run_writes_the_table(tmp_path: pathlib.Path) -> None:
     watched = [r for r in rows if r["what"] == "watched step()"]
     assert len(watched) == 2 and all(r["median_ms"] > 0 for r in watched), watched
     assert all("not checked (no CUDA)" in r["note"] for r in watched), watched
+    # The watch's host time with kernels queued is CUDA's to measure; on CPU the row says so.
+    (host,) = [r for r in rows if r["what"] == "a watched step's host time"]
+    assert host["note"].startswith("skipped: CUDA only"), host
+
+
+def _watch_host_row_on_cpu(_: None) -> dict:
+    from benchmarks.gpu_check.megatron import _watch_host_row
+    from norm_optim.testing import init_parallel
+
+    init_parallel()
+    return _watch_host_row("host", "layers-8-h4", CPU, QUICK)
+
+
+def test_the_watch_host_row_measures_a_real_watched_read() -> None:
+    """The CUDA-only row's body, run on one CPU rank (where its time is not the host's alone):
+    the 100-tensor model is built, watched and read, its ops and Python calls counted."""
+    from norm_optim.testing import run_ranks
+
+    (r,) = run_ranks(_watch_host_row_on_cpu, 1, None, timeout=300)
+    assert r["tensors"] == 100 and r["median_ms"] > 0, r
+    ops = int(r["note"].split(" aten ops")[0].rsplit(" ", 1)[1])
+    assert 0 < ops <= 32, r

@@ -119,6 +119,21 @@ def median_seconds(
     return statistics.median(times)
 
 
+def median_host_seconds(fn: Callable[[], Any], device: torch.device, opts: Options) -> float:
+    """Median host time of ``fn()`` with its kernels queued, not waited for (the device is idle
+    before each call): what a call costs the host where kernels run asynchronously."""
+    for _ in range(opts.warmup):
+        fn()
+    times = []
+    for _ in range(opts.repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    synchronize(device)
+    return statistics.median(times)
+
+
 def median_seconds_to_host(fn: Callable[[], Any], device: torch.device, opts: Options) -> float:
     """Median wall time of ``float(fn())``: what a training loop pays to log the value."""
     for _ in range(opts.warmup):

@@ -18,6 +18,7 @@ from .measure import (
     Row,
     extra_peak_bytes,
     first_line,
+    median_host_seconds,
     median_seconds,
     median_seconds_to_host,
     rel_error,
@@ -283,6 +284,65 @@ def _watched_row(
     return row("megatron", what, **fields, median_ms=watched_s * 1e3, note=note)
 
 
+# The watch's host time by tensor count (benchmarks.step_norms' rows of hidden 4): param tensors
+# of ~20 elements, where kernels read ~nothing; the goal is <= 1 ms at 10,000 tensors.
+WATCH_HOST_CASES = ("layers-8-h4", "layers-833-h4")
+
+
+def _watch_host_rows(device: torch.device, opts: Options) -> list[Row]:
+    """What a watched ``step()`` adds on the host (its checks, hooks, read, all-reduce and judging,
+    kernels queued, not waited for) on an idle step, at 100 and at 10,000 param tensors: flat
+    in the tensor count, with its aten ops and Python calls. CUDA only: on a CPU the kernels run
+    on the host (``python -m benchmarks.step_norms --tensors`` measures that)."""
+    what = "a watched step's host time"
+    if device.type != "cuda":
+        return [skipped("megatron", what, "CUDA only (kernels run on the host on a CPU)")]
+    rows: list[Row] = []
+    for case in WATCH_HOST_CASES:
+        try:
+            rows.append(_watch_host_row(what, case, device, opts))
+        except Exception as error:
+            rows.append(row("megatron", what, note=f"{case}; error: {first_line(error)}"))
+        torch.cuda.empty_cache()  # the model is gone
+    return rows
+
+
+def _watch_host_row(what: str, case: str, device: torch.device, opts: Options) -> Row:
+    from benchmarks.step_norms import TENSOR_CASES, _Idle, aten_ops, python_calls
+    from norm_optim import NormAwareOptimizer
+    from norm_optim._step.measurement import observed_step
+    from norm_optim.testing import TinyGPTConfig
+
+    chunks, optimizer = _build_megatron(TinyGPTConfig(**TENSOR_CASES[case]), device, True, 7)
+    wrapped = NormAwareOptimizer(optimizer, model=chunks)
+    params = [p for c in chunks for p in c.parameters()]
+    for p in params:
+        p.main_grad.fill_(1e-3)
+    idle = _Idle()
+
+    def watch_only() -> None:
+        observed_step(idle, None, wrapped._watched_grads(wrapped._current_reducer()))
+
+    wrapped.watch()
+    try:
+        with torch.no_grad():
+            wrapped.step()  # the first watched step binds its read
+            host_s = median_host_seconds(watch_only, device, opts)
+            ops, calls = aten_ops(watch_only), python_calls(watch_only)
+    finally:
+        wrapped.unwatch()
+    return row(
+        "megatron",
+        what,
+        dtype="bf16 params",
+        numel=sum(p.numel() for p in params),
+        tensors=len(params),
+        median_ms=host_s * 1e3,
+        note=f"{case}, distributed optimizer, kernels not waited for; {ops} aten ops, "
+        f"{calls} Python calls (the bound at 10,000 tensors: 1 ms)",
+    )
+
+
 def megatron_section(device: torch.device, cfg_fields: dict[str, Any], opts: Options) -> list[Row]:
     """param_l2_norm() on the Float16 and the distributed optimizer, next to Megatron-LM's own
     norm and a naive fp32-copy norm, all against the float64 oracle of the same weights. Runs
@@ -321,6 +381,7 @@ def megatron_section(device: torch.device, cfg_fields: dict[str, Any], opts: Opt
                     rows.append(row("megatron", what, note=note))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the model is gone: free its memory for the next
+            rows += _watch_host_rows(device, opts)
         finally:
             ps.destroy_model_parallel()
     return rows
