@@ -44,9 +44,10 @@ BRIDGE_STAMP := $(BRIDGE_VENV)/.norm_optim-installed
 # megatron-core versions"); LEG_TESTS=tests runs the whole suite. Not in it: test_harness.py
 # (under every other test already, 30-40 s a leg alone), test_counting_rule.py and
 # test_install_options.py (no megatron-core), test_megatron_fsdp_v2.py (main only), Bridge.
-# The in-between lines (0.15, 0.18) each run one of two disjoint halves of the subset
-# (SHARE_<line>, pytest --share: by a hash of each test's id), so that together they run all of
-# it; the lines at either end of each Python (0.14 and 0.16; 0.17 and 0.19) and main run it whole.
+# The in-between lines (0.15, 0.17, 0.18) each run one of two disjoint halves of the subset
+# (SHARE_<line>, pytest --share: by a hash of each test's id; 0.17 and 0.18 together run all of
+# it); 0.14, 0.16, 0.19 and main run it whole, so either side of any one version gate has a line
+# that runs all of it. SHARE_0.17= runs the whole subset there.
 LINES      := 0.14 0.15 0.17 0.18
 MCORE_0.14 := 0.14.0
 MCORE_0.15 := 0.15.3
@@ -57,7 +58,8 @@ BASE_0.15  := .venv
 BASE_0.17  := .venv-latest
 BASE_0.18  := .venv-latest
 SHARE_0.15 := 0/2
-SHARE_0.18 := 1/2
+SHARE_0.17 := 1/2
+SHARE_0.18 := 0/2
 LEG_TESTS  ?= tests/test_layouts.py tests/test_ownership.py tests/test_breakdowns.py \
               tests/test_transparency.py tests/test_staleness.py tests/test_checkpoint.py \
               tests/test_optimizer_kinds.py tests/test_hangs.py tests/test_errors.py \
@@ -84,11 +86,12 @@ BASE_floor   := .venv
 MCORE_floor  := megatron-core==0.14.0
 
 # Tests that read no megatron-core release (pure kernels and names, the code's own rules and
-# types, the benchmark script): CI runs them once, in make test, and the other whole-suite legs
-# leave them out (make test-latest SKIP_ONCE=1, make test-main SKIP_ONCE=1).
+# types, the benchmark script) and the launcher's own (test_harness.py: every other test runs
+# under the launcher, on every line): CI runs them once, in make test, and the other whole-suite
+# legs leave them out (make test-latest SKIP_ONCE=1).
 ONCE_TESTS   := tests/test_typing.py tests/test_benchmark.py tests/test_kernels.py \
                 tests/test_package_structure.py tests/test_rollups.py \
-                tests/test_patching.py
+                tests/test_patching.py tests/test_harness.py
 SKIP_ONCE    ?=
 ONCE_IGNORED  = $(if $(SKIP_ONCE),$(ONCE_TESTS:%=--ignore=%))
 
