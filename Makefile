@@ -91,7 +91,7 @@ MCORE_floor  := megatron-core==0.14.0
 # legs leave them out (make test-latest SKIP_ONCE=1).
 ONCE_TESTS   := tests/test_typing.py tests/test_benchmark.py tests/test_kernels.py \
                 tests/test_package_structure.py tests/test_rollups.py \
-                tests/test_patching.py tests/test_harness.py
+                tests/test_patching.py tests/test_harness.py tests/test_shares.py
 SKIP_ONCE    ?=
 ONCE_IGNORED  = $(if $(SKIP_ONCE),$(ONCE_TESTS:%=--ignore=%))
 

@@ -53,6 +53,12 @@ def _share(text: str) -> tuple[int, int]:
     return index, count
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    text = config.getoption("--share")
+    if text is not None:
+        _share(text)  # a malformed share stops the run before anything is collected
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     text = config.getoption("--share")
     if text is None:
