@@ -42,7 +42,7 @@ QUICK = ("h64-l2",)
 # tensors shows there, where each tensor is cheap.
 _SMALL = dict(hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8)
 _TINY = dict(_SMALL, hidden_size=4, num_attention_heads=1, ffn_hidden_size=16)
-TENSOR_CASES = {
+TENSOR_CASES: dict[str, dict[str, Any]] = {
     "layers-8": dict(_SMALL, num_layers=8),
     "layers-83": dict(_SMALL, num_layers=83),
     "layers-833": dict(_SMALL, num_layers=833),
