@@ -287,6 +287,19 @@ class _Idle:
         return self.prepare_grads() or self.step_with_ready_grads()
 
 
+def watched_path(optimizer: Any) -> Callable[[], None]:
+    """``NormAwareOptimizer.step``'s watched path (the wrapper's checks, the hooks, the read, the
+    all-reduce, the judging, the veto) on an idle step: what a watched step adds, alone."""
+    from norm_optim._step.measurement import observed_step
+
+    idle = _Idle()
+
+    def run() -> None:
+        observed_step(idle, None, optimizer._watched_grads(optimizer._current_reducer()))
+
+    return run
+
+
 def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     """What grows with the number of param tensors: the aten ops a watched step, an armed
     per-param step and ``param_l2_norms(per_param=True)`` add (counted), and the host time of
@@ -294,7 +307,6 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     and on between them, its reads kept), its read alone, and everything the watched step
     adds (the wrapper's checks, the hooks, the read, the veto) timed on an idle step."""
     from norm_optim import NormAwareOptimizer
-    from norm_optim._step.measurement import observed_step
     from norm_optim.testing import init_parallel
     from norm_optim.testing.models import TinyGPTConfig, build_model, build_optimizer, train_step
 
@@ -336,11 +348,7 @@ def _tensor_case(fields: dict[str, Any]) -> dict[str, Any]:
     assert state.watched_grads is not None
     watched = state.watched_grads
     read_s = min(_median(watched.grads_ready) for _ in range(3))
-    idle = _Idle()
-
-    def watch_only() -> None:  # NormAwareOptimizer.step's watched path, on an idle step
-        observed_step(idle, None, optimizer._watched_grads(optimizer._current_reducer()))
-
+    watch_only = watched_path(optimizer)
     watch_host_s = min(_median(watch_only) for _ in range(3))
     calls["plain"] = python_calls(unwatched)
     calls["watch_only"] = python_calls(watch_only)

@@ -136,15 +136,7 @@ def median_host_seconds(fn: Callable[[], Any], device: torch.device, opts: Optio
 
 def median_seconds_to_host(fn: Callable[[], Any], device: torch.device, opts: Options) -> float:
     """Median wall time of ``float(fn())``: what a training loop pays to log the value."""
-    for _ in range(opts.warmup):
-        float(fn())
-    times = []
-    for _ in range(opts.repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        float(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_host_seconds(lambda: float(fn()), device, opts)
 
 
 def extra_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Optional[int]]:

@@ -308,9 +308,8 @@ def _watch_host_rows(device: torch.device, opts: Options) -> list[Row]:
 
 
 def _watch_host_row(what: str, case: str, device: torch.device, opts: Options) -> Row:
-    from benchmarks.step_norms import TENSOR_CASES, _Idle, aten_ops, python_calls
+    from benchmarks.step_norms import TENSOR_CASES, aten_ops, python_calls, watched_path
     from norm_optim import NormAwareOptimizer
-    from norm_optim._step.measurement import observed_step
     from norm_optim.testing import TinyGPTConfig
 
     chunks, optimizer = _build_megatron(TinyGPTConfig(**TENSOR_CASES[case]), device, True, 7)
@@ -318,11 +317,7 @@ def _watch_host_row(what: str, case: str, device: torch.device, opts: Options) -
     params = [p for c in chunks for p in c.parameters()]
     for p in params:
         p.main_grad.fill_(1e-3)
-    idle = _Idle()
-
-    def watch_only() -> None:
-        observed_step(idle, None, wrapped._watched_grads(wrapped._current_reducer()))
-
+    watch_only = watched_path(wrapped)
     wrapped.watch()
     try:
         with torch.no_grad():
